@@ -1,0 +1,111 @@
+# SPDX-License-Identifier: Apache-2.0
+"""DeepSeek-V4 cache buffers, one set per attention layer.
+
+Kinds of storage (see research/deepseek_v4.md section 2.6 and 5.3):
+
+* sliding-window KV: a ring of `swa_ring` rows per request slot, row = position % ring.
+  The ring is longer than the window by the most tokens one request writes in a verify
+  or draft pass, so writing rejected speculative positions never overwrites a position a
+  later query still needs.
+* compressor state: per-token `[kv | gate + ape]` rows (fp32) in a ring of
+  `state_ring(ratio)` rows per request slot, keyed by absolute position. A compressed entry
+  is pooled from the state rows of its block (and the previous block for ratio 4).
+* compressed KV (and the indexer's compressed keys): full history, one row per block of
+  `ratio` positions. The row is derived from the token slot of the block's first position
+  (`compressed_loc`), so it shares the token pages: no second page table, freed together.
+
+Rows are keyed by position everywhere, so rolling back speculative tokens needs no copy:
+the rejected positions are simply rewritten later.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class DeepseekV4CacheLayout:
+    """What one model's layers need; `compress_ratios[i]` is 0 for window-only layers."""
+
+    compress_ratios: tuple[int, ...]
+    head_dim: int
+    index_head_dim: int
+    sliding_window: int
+    indexer_ratio: int = 4  # layers with this ratio also carry the lightning indexer
+
+    def has_indexer(self, layer: int) -> bool:
+        return self.compress_ratios[layer] == self.indexer_ratio
+
+
+def compressor_overlap(ratio: int) -> int:
+    """Blocks pooled per compressed entry: ratio-4 windows overlap the previous block."""
+    return 2 if ratio == 4 else 1
+
+
+class DeepseekV4KVPool:
+    def __init__(self, layout: DeepseekV4CacheLayout, max_reqs: int, num_pages: int,
+                 page_size: int, max_tokens_per_pass: int, dtype: torch.dtype,
+                 device: torch.device | str = "cpu"):
+        """`max_tokens_per_pass`: the most positions one request writes in a single
+        verify/draft forward that may later be rejected (speculative draft tokens + 1)."""
+        self.layout, self.max_reqs, self.page_size = layout, max_reqs, page_size
+        self.num_pages, self.dtype, self.device = num_pages, dtype, device
+        self.swa_ring = layout.sliding_window + max_tokens_per_pass
+        self._max_pass = max_tokens_per_pass
+        self.swa_kv = [torch.zeros((max_reqs * self.swa_ring, layout.head_dim), dtype=dtype, device=device)
+                       for _ in layout.compress_ratios]
+        self.compressor_state: dict[int, torch.Tensor] = {}
+        self.compressed_kv: dict[int, torch.Tensor] = {}
+        self.indexer_state: dict[int, torch.Tensor] = {}
+        self.indexer_k: dict[int, torch.Tensor] = {}
+        for layer, ratio in enumerate(layout.compress_ratios):
+            if ratio <= 1:
+                continue
+            self.compressor_state[layer] = self._state_buffer(ratio, layout.head_dim)
+            self.compressed_kv[layer] = self._compressed_buffer(ratio, layout.head_dim, dtype)
+            if layout.has_indexer(layer):
+                self.indexer_state[layer] = self._state_buffer(ratio, layout.index_head_dim)
+                self.indexer_k[layer] = self._compressed_buffer(ratio, layout.index_head_dim, dtype)
+
+    # geometry -----------------------------------------------------------------------------
+    def state_ring(self, ratio: int) -> int:
+        return compressor_overlap(ratio) * ratio + self._max_pass
+
+    def compressed_rows_per_page(self, ratio: int) -> int:
+        return -(-self.page_size // ratio)
+
+    def _state_buffer(self, ratio: int, dim: int) -> torch.Tensor:
+        width = 2 * compressor_overlap(ratio) * dim
+        return torch.zeros((self.max_reqs * self.state_ring(ratio), width), dtype=torch.float32,
+                           device=self.device)
+
+    def _compressed_buffer(self, ratio: int, dim: int, dtype: torch.dtype) -> torch.Tensor:
+        rows = self.num_pages * self.compressed_rows_per_page(ratio)
+        return torch.zeros((rows, dim), dtype=dtype, device=self.device)
+
+    # addressing ---------------------------------------------------------------------------
+    def swa_loc(self, req_pool_indices: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return req_pool_indices * self.swa_ring + positions % self.swa_ring
+
+    def state_loc(self, ratio: int, req_pool_indices: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        ring = self.state_ring(ratio)
+        return req_pool_indices * ring + positions % ring
+
+    def compressed_loc(self, ratio: int, block_first_slot: torch.Tensor) -> torch.Tensor:
+        """Row of a compressed entry from the token slot of its block's first position."""
+        page, offset = block_first_slot // self.page_size, block_first_slot % self.page_size
+        return page * self.compressed_rows_per_page(ratio) + offset // ratio
+
+    # reporting ----------------------------------------------------------------------------
+    def nbytes(self) -> int:
+        buffers = [*self.swa_kv, *self.compressor_state.values(), *self.compressed_kv.values(),
+                   *self.indexer_state.values(), *self.indexer_k.values()]
+        return sum(b.numel() * b.element_size() for b in buffers)
+
+    def describe(self) -> str:
+        ratios = sorted({r for r in self.layout.compress_ratios if r > 1})
+        return (f"DeepSeek-V4 cache: {len(self.layout.compress_ratios)} layers, SWA ring "
+                f"{self.swa_ring} rows x {self.max_reqs} requests, compress ratios {ratios}, "
+                f"{self.nbytes() / 2**20:.1f} MiB")

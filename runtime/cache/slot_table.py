@@ -1,0 +1,75 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Which token slots each request holds: request slots + paged token allocator together.
+
+`reserve(req, n)` makes positions `[0, n)` addressable (whole pages), `slots(req, a, b)`
+returns their slots, `release(req)` gives everything back. A position keeps its slot for
+the request's lifetime, so a speculative token that is rejected and later rewritten at
+the same position reuses the same slot: nothing leaks, nothing moves.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from runtime.cache.allocator import PagedTokenAllocator
+from runtime.cache.req_to_token_pool import ReqToTokenPool
+
+
+class SlotTable:
+    def __init__(self, req_pool: ReqToTokenPool, allocator: PagedTokenAllocator):
+        self.req_pool, self.allocator = req_pool, allocator
+        self.page_size = allocator.page_size
+        self._pages: dict[int, list[int]] = {}
+
+    @property
+    def req_to_token(self) -> torch.Tensor:
+        return self.req_pool.req_to_token
+
+    def open_request(self) -> int | None:
+        """A request slot with no pages, or None when every request slot is taken."""
+        idx = self.req_pool.alloc()
+        if idx is not None:
+            self._pages[idx] = []
+        return idx
+
+    def reserved_tokens(self, req_pool_idx: int) -> int:
+        return len(self._pages[req_pool_idx]) * self.page_size
+
+    def pages_needed(self, req_pool_idx: int, num_tokens: int) -> int:
+        return max(0, -(-num_tokens // self.page_size) - len(self._pages[req_pool_idx]))
+
+    def reserve(self, req_pool_idx: int, num_tokens: int) -> bool:
+        """Make positions `[0, num_tokens)` addressable; False (nothing taken) if out of pages."""
+        if num_tokens > self.req_pool.max_context_len:
+            raise ValueError(f"{num_tokens} tokens exceed the context length {self.req_pool.max_context_len}")
+        need = self.pages_needed(req_pool_idx, num_tokens)
+        if need == 0:
+            return True
+        new_pages = self.allocator.alloc_pages(need)
+        if new_pages is None:
+            return False
+        owned = self._pages[req_pool_idx]
+        start = len(owned) * self.page_size
+        owned.extend(new_pages)
+        slots = self.allocator.page_slots(new_pages)
+        end = min(start + slots.shape[0], self.req_pool.max_context_len)
+        self.req_to_token[req_pool_idx, start:end] = slots[:end - start]
+        return True
+
+    def slots(self, req_pool_idx: int, start: int, end: int) -> torch.Tensor:
+        if end > self.reserved_tokens(req_pool_idx):
+            raise ValueError(f"positions up to {end} requested but only "
+                             f"{self.reserved_tokens(req_pool_idx)} reserved")
+        return self.req_to_token[req_pool_idx, start:end]
+
+    def release(self, req_pool_idx: int) -> None:
+        self.allocator.free_pages(self._pages.pop(req_pool_idx))
+        self.req_pool.free(req_pool_idx)
+
+    def trim(self, req_pool_idx: int, keep_tokens: int) -> None:
+        """Give back whole pages past `keep_tokens` (e.g. after rejected speculative tokens)."""
+        owned = self._pages[req_pool_idx]
+        keep_pages = -(-keep_tokens // self.page_size)
+        if keep_pages < len(owned):
+            self.allocator.free_pages(owned[keep_pages:])
+            del owned[keep_pages:]

@@ -1,0 +1,119 @@
+# SPDX-License-Identifier: Apache-2.0
+"""`Engine`: load a checkpoint and generate, in process.
+
+    engine = Engine(model_path="/ckpt", dtype="float32")
+    out = engine.generate("Hello", {"temperature": 0, "max_new_tokens": 16})
+    out["text"], out["output_ids"], out["meta_info"]
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+import uuid
+
+import torch
+
+from runtime.cache.allocator import PagedTokenAllocator
+from runtime.cache.req_to_token_pool import ReqToTokenPool
+from runtime.cache.slot_table import SlotTable
+from runtime.configs.model_config import ModelConfig
+from runtime.engine.sampling_params import InvalidRequestError, SamplingParams
+from runtime.engine.tokenizer import load_tokenizer
+from runtime.execution.model_runner import ModelRunner
+from runtime.scheduler.request import FinishReason, Req
+from runtime.scheduler.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+class Engine:
+    def __init__(self, model_path: str | None = None, dtype: str = "auto", tokenizer_path: str | None = None,
+                 page_size: int = 1, max_total_tokens: int = 65536, max_running_requests: int = 64,
+                 context_length: int | None = None, random_seed: int | None = None,
+                 skip_tokenizer_init: bool = False, device: str = "cpu", progress: bool = False):
+        if model_path is None:
+            raise ValueError("no model_path given and no embedded default model is installed yet")
+        self.model_config = ModelConfig.from_path(model_path, dtype, context_length)
+        self.context_length = self.model_config.context_length
+        num_pages = max(1, max_total_tokens // page_size)
+        max_context = min(self.context_length, num_pages * page_size) + page_size
+        self.slot_table = SlotTable(ReqToTokenPool(max_running_requests, max_context, device),
+                                    PagedTokenAllocator(num_pages, page_size, device))
+        self.runner = ModelRunner(self.model_config, self.slot_table, device=device, progress=progress)
+        self.tokenizer = None if skip_tokenizer_init else load_tokenizer(tokenizer_path or model_path)
+        generator = torch.Generator().manual_seed(random_seed) if random_seed is not None else None
+        self.scheduler = Scheduler(self.runner, self.slot_table, self.model_config.eos_token_ids,
+                                   self.model_config.vocab_size, max_running_requests, generator)
+        self._ids = itertools.count()
+        logger.info("KV cache: %d token slots in pages of %d, %d request slots",
+                    self.slot_table.allocator.capacity_tokens, page_size, max_running_requests)
+
+    # requests -----------------------------------------------------------------------------
+    def _prompt_ids(self, prompt, input_ids) -> list[list[int]]:
+        if (prompt is None) == (input_ids is None):
+            raise InvalidRequestError("pass exactly one of prompt (text) or input_ids")
+        if input_ids is not None:
+            batch = input_ids if input_ids and isinstance(input_ids[0], list) else [input_ids]
+        else:
+            if self.tokenizer is None:
+                raise InvalidRequestError("this engine has no tokenizer; pass input_ids instead of text")
+            texts = prompt if isinstance(prompt, list) else [prompt]
+            batch = [self.tokenizer.encode(t) for t in texts]
+        for ids in batch:
+            if not ids:
+                raise InvalidRequestError("empty prompt: send at least one token")
+            if any(not isinstance(t, int) or not 0 <= t < self.model_config.vocab_size for t in ids):
+                raise InvalidRequestError(f"input_ids must be token ids in [0, {self.model_config.vocab_size})")
+        return batch
+
+    def _make_req(self, ids: list[int], params: SamplingParams) -> Req:
+        if len(ids) >= self.context_length:
+            raise InvalidRequestError(f"prompt has {len(ids)} tokens; the context length is "
+                                      f"{self.context_length}")
+        room = self.context_length - len(ids)
+        if params.max_new_tokens > room:
+            params = SamplingParams(**{**params.to_dict(), "max_new_tokens": room})
+        return Req(f"{uuid.uuid4().hex[:8]}-{next(self._ids)}", ids, params)
+
+    def generate(self, prompt: str | list[str] | None = None, sampling_params: dict | list | None = None,
+                 input_ids: list[int] | list[list[int]] | None = None) -> dict | list[dict]:
+        """Greedy (`temperature=0`) or sampled generation; one dict per prompt."""
+        batch = self._prompt_ids(prompt, input_ids)
+        if isinstance(sampling_params, list):
+            if len(sampling_params) != len(batch):
+                raise InvalidRequestError("sampling_params list must have one entry per prompt")
+            params = [SamplingParams.from_dict(p) for p in sampling_params]
+        else:
+            params = [SamplingParams.from_dict(sampling_params)] * len(batch)
+        reqs = [self._make_req(ids, p) for ids, p in zip(batch, params)]
+        for req in reqs:
+            if req.sampling_params.max_new_tokens == 0:
+                req.finish_reason = FinishReason("length", length=0)
+            else:
+                self.scheduler.add_request(req)
+        while self.scheduler.has_work():
+            self.scheduler.step()
+        results = [self._result(r) for r in reqs]
+        single = not isinstance(prompt, list) and not (input_ids and isinstance(input_ids[0], list))
+        return results[0] if single else results
+
+    def _result(self, req: Req) -> dict:
+        text = None
+        if self.tokenizer is not None:
+            text = self.tokenizer.decode(req.output_ids,
+                                         skip_special_tokens=req.sampling_params.skip_special_tokens)
+        finished_at = req.finished_at or time.perf_counter()
+        return {
+            "text": text,
+            "output_ids": list(req.output_ids),
+            "meta_info": {
+                "id": req.rid,
+                "finish_reason": req.finish_reason.to_json() if req.finish_reason else None,
+                "prompt_tokens": len(req.prompt_ids),
+                "completion_tokens": len(req.output_ids),
+                "cached_tokens": 0,
+                "e2e_latency": finished_at - req.created_at,
+            },
+        }

@@ -1,0 +1,120 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The per-forward description a model reads.
+
+The scheduler (or the speculative worker) decides *which* tokens run; the `ModelRunner`
+turns that into a `ForwardContext` once per forward. Models read the batch layout and
+cache accessors from it and nothing else: no weights, no scheduler objects. Attention
+metadata that every layer shares (slot mappings, gather indices) is built on first use
+through `memo` and reused by the remaining layers of the same forward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import torch
+
+from runtime.execution.forward_mode import CaptureHiddenMode, ForwardMode
+
+T = TypeVar("T")
+
+
+@dataclass
+class ForwardContext:
+    forward_mode: ForwardMode
+    batch_size: int
+    req_pool_indices: torch.Tensor  # [bs] rows of the request-to-token table
+    prefix_lens: torch.Tensor  # [bs] tokens already in the cache before this forward
+    extend_lens: torch.Tensor  # [bs] tokens this forward adds per request
+    prefix_lens_cpu: list[int]
+    extend_lens_cpu: list[int]
+    positions: torch.Tensor  # [T] absolute position of every input row
+    token_to_req: torch.Tensor  # [T] batch index of every input row
+    extend_start_loc: torch.Tensor  # [bs] first input row of each request
+    out_cache_loc: torch.Tensor  # [T] full-history token slot of every input row
+    req_to_token: torch.Tensor  # [max_reqs, max_context] token slots (shared table)
+    kv_pool: Any  # the model's cache pool (typed accessors per attention kind)
+    capture_hidden_mode: CaptureHiddenMode = CaptureHiddenMode.NULL
+    logits_row_indices: torch.Tensor | None = None  # [R] rows to compute logits for; None = all
+    memos: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.positions.shape[0])
+
+    @property
+    def seq_lens(self) -> torch.Tensor:
+        return self.prefix_lens + self.extend_lens
+
+    @property
+    def seq_lens_cpu(self) -> list[int]:
+        return [p + e for p, e in zip(self.prefix_lens_cpu, self.extend_lens_cpu)]
+
+    @property
+    def device(self) -> torch.device:
+        return self.positions.device
+
+    def memo(self, key: str, build: Callable[[], T]) -> T:
+        """Build a per-forward value once and hand the same object to every later caller."""
+        if key not in self.memos:
+            self.memos[key] = build()
+        return self.memos[key]
+
+    @classmethod
+    def build(
+        cls,
+        forward_mode: ForwardMode,
+        req_pool_indices: Sequence[int],
+        prefix_lens: Sequence[int],
+        extend_lens: Sequence[int],
+        out_cache_loc: torch.Tensor | None,
+        req_to_token: torch.Tensor,
+        kv_pool: Any,
+        capture_hidden_mode: CaptureHiddenMode = CaptureHiddenMode.NULL,
+        logits_row_indices: torch.Tensor | Sequence[int] | None = None,
+    ) -> ForwardContext:
+        """Derive positions and row bookkeeping from per-request (prefix, extend) lengths.
+
+        `out_cache_loc=None` reads each row's slot from `req_to_token` (the slots must have
+        been reserved already)."""
+        device = req_to_token.device
+        prefix_cpu, extend_cpu = [int(x) for x in prefix_lens], [int(x) for x in extend_lens]
+        if len(prefix_cpu) != len(extend_cpu) or len(prefix_cpu) != len(req_pool_indices):
+            raise ValueError("req_pool_indices, prefix_lens and extend_lens must have one entry per request")
+        bs = len(prefix_cpu)
+        num_tokens = sum(extend_cpu)
+        if out_cache_loc is not None and out_cache_loc.shape[0] != num_tokens:
+            raise ValueError(f"out_cache_loc has {out_cache_loc.shape[0]} slots for {num_tokens} tokens")
+        req_pool_indices = torch.as_tensor(list(req_pool_indices), dtype=torch.long, device=device)
+        prefix = torch.tensor(prefix_cpu, dtype=torch.long, device=device)
+        extend = torch.tensor(extend_cpu, dtype=torch.long, device=device)
+        token_to_req = torch.repeat_interleave(torch.arange(bs, device=device), extend)
+        start_loc = torch.cumsum(extend, 0) - extend
+        positions = prefix[token_to_req] + torch.arange(num_tokens, device=device) - start_loc[token_to_req]
+        if out_cache_loc is None:
+            out_cache_loc = req_to_token[req_pool_indices[token_to_req], positions]
+        if isinstance(logits_row_indices, Sequence):
+            logits_row_indices = torch.tensor(list(logits_row_indices), dtype=torch.long, device=device)
+        return cls(
+            forward_mode=forward_mode,
+            batch_size=bs,
+            req_pool_indices=req_pool_indices,
+            prefix_lens=prefix,
+            extend_lens=extend,
+            prefix_lens_cpu=prefix_cpu,
+            extend_lens_cpu=extend_cpu,
+            positions=positions,
+            token_to_req=token_to_req,
+            extend_start_loc=start_loc,
+            out_cache_loc=out_cache_loc,
+            req_to_token=req_to_token,
+            kv_pool=kv_pool,
+            capture_hidden_mode=capture_hidden_mode,
+            logits_row_indices=logits_row_indices,
+        )
+
+    def last_row_per_request(self) -> torch.Tensor:
+        """[bs] index of each request's last input row (its next-token row in prefill)."""
+        return self.extend_start_loc + self.extend_lens - 1

@@ -1,0 +1,276 @@
+# SPDX-License-Identifier: Apache-2.0
+"""DeepSeek-V4 attention: sliding window + compressed KV (CSA with the lightning indexer,
+or HCA), single-latent MQA with an attention sink and a grouped output projection.
+
+Math: research/deepseek_v4.md sections 2.5-2.7. Caches: `runtime.cache.deepseek_v4_pool`.
+
+Every key a query needs is either in a cache ring (written by an earlier forward) or a
+row of the current forward ("fresh"). Gather indices address a virtual buffer
+`[cache rows | fresh rows]`; they are built once per forward (`ctx.memo`) and shared by
+all layers. Rings are written only after the layer has read them, and only with the last
+ring-length positions of each request, so a long prefill chunk never overwrites a key it
+still needs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from runtime.cache.deepseek_v4_pool import DeepseekV4KVPool, compressor_overlap
+from runtime.execution.forward_context import ForwardContext
+from runtime.kernels.sink_attention import sink_attention
+from runtime.layers.linear import MergedColumnParallelLinear, ReplicatedLinear
+from runtime.layers.norm import RMSNorm, WeightlessRMSNorm
+from runtime.layers.rotary import RotaryEmbedding
+from runtime.layers.weight_utils import make_param
+
+
+@dataclass
+class RopeInputs:
+    """A rotary table and its cos/sin at the forward's positions (computed once per forward)."""
+
+    rope: RotaryEmbedding
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+    def apply(self, x: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+        return self.rope.apply(x, self.cos, self.sin, inverse=inverse)
+
+
+# ---------------------------------------------------------------------------------------
+# Per-forward metadata
+# ---------------------------------------------------------------------------------------
+
+@dataclass
+class RingAccess:
+    """Reads from `[ring rows | fresh rows]` for a set of (row, key position) pairs and the
+    ring writes that follow."""
+
+    read_idx: torch.Tensor  # [R, L] index into the virtual buffer
+    read_valid: torch.Tensor  # [R, L] key position exists (>= 0)
+    write_rows: torch.Tensor  # [n] fresh rows that go into the ring
+    write_loc: torch.Tensor  # [n] their ring rows
+
+
+def _ring_access(ctx: ForwardContext, rows: torch.Tensor, key_pos: torch.Tensor, ring: int,
+                 ring_rows: int) -> RingAccess:
+    """`rows [R]` input rows, `key_pos [R, L]` absolute positions each of them reads."""
+    req = ctx.token_to_req[rows].unsqueeze(1)
+    prefix, start = ctx.prefix_lens[req], ctx.extend_start_loc[req]
+    req_slot = ctx.req_pool_indices[req]
+    valid = key_pos >= 0
+    fresh = key_pos >= prefix
+    ring_idx = req_slot * ring + key_pos.clamp(min=0) % ring
+    read_idx = torch.where(fresh, ring_rows + start + key_pos - prefix, ring_idx)
+    read_idx = read_idx.masked_fill(~valid, 0)
+
+    all_req = ctx.token_to_req
+    keep = ctx.positions >= ctx.seq_lens[all_req] - ring
+    write_rows = keep.nonzero().squeeze(1)
+    write_loc = ctx.req_pool_indices[all_req[write_rows]] * ring + ctx.positions[write_rows] % ring
+    return RingAccess(read_idx, valid, write_rows, write_loc)
+
+
+def gather_ring(ring_buf: torch.Tensor, fresh: torch.Tensor, read_idx: torch.Tensor) -> torch.Tensor:
+    """Rows of the virtual buffer `[ring_buf | fresh]`: `[R, L, D]`."""
+    num_ring = ring_buf.shape[0]
+    out = ring_buf[read_idx.clamp(max=num_ring - 1)]
+    from_fresh = read_idx >= num_ring
+    if from_fresh.any():
+        out[from_fresh] = fresh[read_idx[from_fresh] - num_ring].to(out.dtype)
+    return out
+
+
+def window_access(ctx: ForwardContext, pool: DeepseekV4KVPool, window: int) -> RingAccess:
+    """Sliding-window keys of every row: positions `p - window + 1 .. p`."""
+
+    def build() -> RingAccess:
+        offsets = torch.arange(window - 1, -1, -1, device=ctx.device)
+        key_pos = ctx.positions.unsqueeze(1) - offsets
+        rows = torch.arange(ctx.num_tokens, device=ctx.device)
+        return _ring_access(ctx, rows, key_pos, pool.swa_ring, pool.swa_kv[0].shape[0])
+
+    return ctx.memo("v4.window", build)
+
+
+@dataclass
+class CompressAccess:
+    """One compress ratio's per-forward addressing, shared by every layer of that ratio."""
+
+    ratio: int
+    state: RingAccess  # reads: the pooled rows of each new entry's window
+    boundary_rows: torch.Tensor  # [B] rows whose position closes a block
+    entry_pos: torch.Tensor  # [B] first position of each new entry's block (its rope position)
+    entry_loc: torch.Tensor  # [B] compressed-pool row of each new entry
+    read_loc: torch.Tensor  # [T, C] compressed-pool rows of the entries each row may see
+    read_valid: torch.Tensor  # [T, C] entry j visible to a row at p iff j < (p + 1) // ratio
+
+
+def compress_access(ctx: ForwardContext, pool: DeepseekV4KVPool, ratio: int) -> CompressAccess:
+    def build() -> CompressAccess:
+        device, pos = ctx.device, ctx.positions
+        boundary_rows = ((pos + 1) % ratio == 0).nonzero().squeeze(1)
+        window = compressor_overlap(ratio) * ratio
+        key_pos = pos[boundary_rows].unsqueeze(1) - torch.arange(window - 1, -1, -1, device=device)
+        ring = pool.state_ring(ratio)
+        state = _ring_access(ctx, boundary_rows, key_pos, ring, pool.max_reqs * ring)
+
+        req_slots = ctx.req_pool_indices
+        entry_pos = pos[boundary_rows] // ratio * ratio
+        first_slot = ctx.req_to_token[req_slots[ctx.token_to_req[boundary_rows]], entry_pos]
+        entry_loc = pool.compressed_loc(ratio, first_slot)
+
+        num_entries = max(ctx.seq_lens_cpu) // ratio if ctx.batch_size else 0
+        block_starts = torch.arange(num_entries, device=device) * ratio
+        loc_per_req = pool.compressed_loc(ratio, ctx.req_to_token[req_slots.unsqueeze(1), block_starts])
+        read_loc = loc_per_req[ctx.token_to_req]
+        read_valid = torch.arange(num_entries, device=device) < ((pos + 1) // ratio).unsqueeze(1)
+        return CompressAccess(ratio, state, boundary_rows, entry_pos, entry_loc, read_loc, read_valid)
+
+    return ctx.memo(f"v4.compress.{ratio}", build)
+
+
+# ---------------------------------------------------------------------------------------
+# Modules
+# ---------------------------------------------------------------------------------------
+
+class DeepseekV4Compressor(nn.Module):
+    """Gated pooling of each block of `ratio` tokens into one `dim`-wide entry (section 2.6).
+
+    Ratio 4 pools 8 rows: the previous block's first channel half and this block's second
+    half. The per-token `[kv | gate + ape]` rows live in the state ring; an entry is made when
+    its block's last token is processed, then RMS-normed and rotated at the block's first
+    position.
+    """
+
+    def __init__(self, hidden_size: int, dim: int, ratio: int, eps: float):
+        super().__init__()
+        self.dim, self.ratio, self.overlap = dim, ratio, compressor_overlap(ratio)
+        width = self.overlap * dim
+        self.fused_wkv_wgate = MergedColumnParallelLinear(hidden_size, [width, width])
+        self.ape = make_param((ratio, width), torch.float32)
+        self.norm = RMSNorm(dim, eps)
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext, access: CompressAccess,
+                state_buf: torch.Tensor, entry_buf: torch.Tensor, rope: RotaryEmbedding) -> None:
+        kv, gate = self.fused_wkv_wgate(x).float().chunk(2, dim=-1)
+        state_rows = torch.cat([kv, gate + self.ape[ctx.positions % self.ratio]], dim=-1)
+        if access.boundary_rows.numel():
+            entries = self._pool(gather_ring(state_buf, state_rows, access.state.read_idx),
+                                 access.state.read_valid).to(x.dtype)
+            entries = self.norm(entries)
+            cos, sin = rope.cos_sin(access.entry_pos)
+            entry_buf[access.entry_loc] = rope.apply(entries, cos, sin).to(entry_buf.dtype)
+        write = access.state
+        state_buf[write.write_loc] = state_rows[write.write_rows]
+
+    def _pool(self, rows: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """`rows [B, overlap*ratio, 2*overlap*dim]` -> entries `[B, dim]` (fp32)."""
+        width, d, r = self.overlap * self.dim, self.dim, self.ratio
+        kv, gate = rows[..., :width], rows[..., width:]
+        if self.overlap == 2:
+            kv = torch.cat([kv[:, :r, :d], kv[:, r:, d:]], dim=1)
+            gate = torch.cat([gate[:, :r, :d], gate[:, r:, d:]], dim=1)
+        gate = gate.masked_fill(~valid.unsqueeze(-1), float("-inf"))
+        return (torch.softmax(gate, dim=1) * kv).sum(dim=1)
+
+
+class DeepseekV4Indexer(nn.Module):
+    """Lightning indexer (section 2.7): scores every visible compressed entry per query and
+    keeps the top `index_topk`.
+
+    `score[t, j] = sum_h w[t, h] * relu(q[t, h] . k_j) / sqrt(index_head_dim)` with
+    `w = weights_proj(x) / sqrt(index_n_heads)`.
+    """
+
+    def __init__(self, config, ratio: int):
+        super().__init__()
+        self.num_heads, self.head_dim = config.index_n_heads, config.index_head_dim
+        self.topk = config.index_topk
+        self.wq_b = ReplicatedLinear(config.q_lora_rank, self.num_heads * self.head_dim, bias=False)
+        self.weights_proj = ReplicatedLinear(config.hidden_size, self.num_heads, bias=False)
+        self.compressor = DeepseekV4Compressor(config.hidden_size, self.head_dim, ratio,
+                                               config.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, qr: torch.Tensor, ctx: ForwardContext, access: CompressAccess,
+                state_buf: torch.Tensor, key_buf: torch.Tensor, rope: RopeInputs
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns `(selected [T, k], valid [T, k])`: positions in each row's entry list."""
+        self.compressor(x, ctx, access, state_buf, key_buf, rope.rope)
+        num_entries = access.read_loc.shape[1]
+        if num_entries == 0:
+            empty = access.read_loc.new_zeros((x.shape[0], 0))
+            return empty, empty.bool()
+        q = rope.apply(self.wq_b(qr).view(-1, self.num_heads, self.head_dim))
+        keys = key_buf[access.read_loc]  # [T, C, d]
+        scores = torch.relu(torch.einsum("thd,tcd->thc", q.float(), keys.float())) * self.head_dim**-0.5
+        weights = self.weights_proj(x).float() * self.num_heads**-0.5
+        total = torch.einsum("thc,th->tc", scores, weights).masked_fill(~access.read_valid, float("-inf"))
+        selected = total.topk(min(self.topk, num_entries), dim=-1).indices
+        return selected, access.read_valid.gather(1, selected)
+
+
+class DeepseekV4Attention(nn.Module):
+    """One V4 attention block. `cache_layer` addresses the layer's buffers in the pool
+    (compact: the MTP layer's cache index differs from its checkpoint layer id)."""
+
+    def __init__(self, config, compress_ratio: int, cache_layer: int):
+        super().__init__()
+        self.num_heads, self.head_dim = config.num_attention_heads, config.head_dim
+        self.window, self.eps = config.sliding_window, config.rms_norm_eps
+        self.compress_ratio, self.cache_layer = compress_ratio, cache_layer
+        self.o_groups, self.o_lora_rank = config.o_groups, config.o_lora_rank
+        self.scale = self.head_dim**-0.5
+        self.fused_wqa_wkv = MergedColumnParallelLinear(config.hidden_size,
+                                                        [config.q_lora_rank, self.head_dim])
+        self.q_norm = RMSNorm(config.q_lora_rank, self.eps)
+        self.wq_b = ReplicatedLinear(config.q_lora_rank, self.num_heads * self.head_dim)
+        self.q_head_norm = WeightlessRMSNorm(self.eps)
+        self.kv_norm = RMSNorm(self.head_dim, self.eps)
+        group_in = self.num_heads * self.head_dim // self.o_groups
+        self.wo_a = ReplicatedLinear(group_in, self.o_groups * self.o_lora_rank)
+        self.wo_b = ReplicatedLinear(self.o_groups * self.o_lora_rank, config.hidden_size)
+        self.attn_sink = make_param((self.num_heads,), torch.float32)
+        self.compressor = (DeepseekV4Compressor(config.hidden_size, self.head_dim, compress_ratio, self.eps)
+                           if compress_ratio > 1 else None)
+        self.indexer = DeepseekV4Indexer(config, compress_ratio) if compress_ratio == 4 else None
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext, rope: RopeInputs) -> torch.Tensor:
+        pool: DeepseekV4KVPool = ctx.kv_pool
+        qr, kv = self.fused_wqa_wkv(x).split(self.fused_wqa_wkv.output_sizes, dim=-1)
+        qr = self.q_norm(qr)
+        q = self.q_head_norm(self.wq_b(qr).view(-1, self.num_heads, self.head_dim))
+        q = rope.apply(q)
+        kv = rope.apply(self.kv_norm(kv))
+
+        swa_buf = pool.swa_kv[self.cache_layer]
+        window = window_access(ctx, pool, self.window)
+        keys, valid = gather_ring(swa_buf, kv, window.read_idx), window.read_valid
+        swa_buf[window.write_loc] = kv[window.write_rows].to(swa_buf.dtype)
+
+        if self.compressor is not None:
+            ckeys, cvalid = self._compressed_keys(x, qr, ctx, pool, rope)
+            keys, valid = torch.cat([keys, ckeys], dim=1), torch.cat([valid, cvalid], dim=1)
+
+        out = sink_attention(q, keys, valid, self.attn_sink, self.scale)
+        out = rope.apply(out, inverse=True)  # K = V carried rope; undo it at the query position
+        return self.wo_b(self._grouped_wo_a(out))
+
+    def _compressed_keys(self, x, qr, ctx, pool, rope) -> tuple[torch.Tensor, torch.Tensor]:
+        layer, ratio = self.cache_layer, self.compress_ratio
+        access = compress_access(ctx, pool, ratio)
+        self.compressor(x, ctx, access, pool.compressor_state[layer], pool.compressed_kv[layer], rope.rope)
+        if self.indexer is None:  # HCA: every visible entry
+            return pool.compressed_kv[layer][access.read_loc], access.read_valid
+        selected, valid = self.indexer(x, qr, ctx, access, pool.indexer_state[layer],
+                                       pool.indexer_k[layer], rope)
+        return pool.compressed_kv[layer][access.read_loc.gather(1, selected)], valid
+
+    def _grouped_wo_a(self, out: torch.Tensor) -> torch.Tensor:
+        """Group g (heads `g*H/G .. (g+1)*H/G - 1`) goes through its own `o_lora_rank` block."""
+        grouped = out.reshape(out.shape[0], self.o_groups, -1)
+        w = self.wo_a.weight.view(self.o_groups, self.o_lora_rank, -1)
+        return torch.einsum("tgi,goi->tgo", grouped, w).flatten(1)

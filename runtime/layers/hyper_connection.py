@@ -1,0 +1,69 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Manifold-constrained hyper-connections (mHC, DeepSeek-V4).
+
+The residual is `hc` parallel streams `X [T, hc, H]`. Around each sub-block:
+    y, post, comb = hc_pre(X)            collapse the streams into the block input
+    X' = post * block(y) + comb^T X      expand the output and mix the old streams
+All mixing weights are computed per token in fp32 from the flattened streams.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from runtime.layers.norm import rms_normalize
+
+
+def _mixes(x: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
+    """`fn @ rms_normalize(flatten(x))` in fp32: [T, hc, H] -> [T, fn_rows]."""
+    return F.linear(rms_normalize(x.flatten(1), norm_eps), fn.float())
+
+
+def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    """Row softmax (+eps), then alternate column/row normalisation toward doubly stochastic.
+
+    `logits [..., hc, hc]`; the first pass normalises columns, then `iters - 1` row+column
+    passes follow, each denominator padded by `eps`.
+    """
+    comb = torch.softmax(logits, dim=-1) + eps
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    return comb
+
+
+def hc_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
+           norm_eps: float, hc_eps: float, sinkhorn_iters: int
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Collapse `x [T, hc, H]` into a block input.
+
+    Returns `y [T, H]` (x's dtype), `post [T, hc]` and `comb [T, hc, hc]` (fp32), where
+    `comb[t, i, o]` weighs input stream i into output stream o.
+    """
+    hc = x.shape[1]
+    mixes = _mixes(x, fn, norm_eps)
+    pre_w, post_w, comb_w = mixes.split([hc, hc, hc * hc], dim=-1)
+    pre_b, post_b, comb_b = base.float().split([hc, hc, hc * hc])
+    scale = scale.float()
+    pre = torch.sigmoid(pre_w * scale[0] + pre_b) + hc_eps
+    post = 2 * torch.sigmoid(post_w * scale[1] + post_b)
+    comb = sinkhorn((comb_w * scale[2] + comb_b).view(-1, hc, hc), sinkhorn_iters, hc_eps)
+    y = (pre.unsqueeze(-1) * x).sum(dim=1).to(x.dtype)
+    return y, post, comb
+
+
+def hc_post(block_out: torch.Tensor, residual: torch.Tensor, post: torch.Tensor,
+            comb: torch.Tensor) -> torch.Tensor:
+    """`X'[o] = post[o] * block_out + sum_i comb[i, o] * residual[i]` -> [T, hc, H]."""
+    dtype = residual.dtype
+    mixed = torch.einsum("tio,tid->tod", comb.to(dtype), residual)
+    return post.to(dtype).unsqueeze(-1) * block_out.unsqueeze(1) + mixed
+
+
+def hc_head(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
+            norm_eps: float, hc_eps: float) -> torch.Tensor:
+    """Final collapse of the streams (sigmoid weights, no Sinkhorn): [T, hc, H] -> [T, H]."""
+    pre = torch.sigmoid(_mixes(x, fn, norm_eps) * scale.float() + base.float()) + hc_eps
+    return (pre.unsqueeze(-1) * x).sum(dim=1).to(x.dtype)

@@ -1,0 +1,38 @@
+# SPDX-License-Identifier: Apache-2.0
+"""From final hidden states to next-token logits (and captured hidden states)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from runtime.execution.forward_context import ForwardContext
+from runtime.execution.forward_mode import CaptureHiddenMode
+
+
+@dataclass
+class LogitsProcessorOutput:
+    next_token_logits: torch.Tensor  # [R, vocab] fp32, one row per requested input row
+    hidden_states: torch.Tensor | None = None  # [T or R, D] captured hidden, when asked
+
+
+class LogitsProcessor(nn.Module):
+    """Takes logits at `ctx.logits_row_indices` (all rows when None).
+
+    Hidden capture: FULL returns `aux_hidden` for every input row (the drafter needs them
+    all), LAST only for the logit rows.
+    """
+
+    def forward(self, hidden: torch.Tensor, lm_head: nn.Module, ctx: ForwardContext,
+                aux_hidden: torch.Tensor | None = None) -> LogitsProcessorOutput:
+        rows = ctx.logits_row_indices
+        selected = hidden if rows is None else hidden[rows]
+        logits = lm_head.compute_logits(selected).float()
+        captured = None
+        mode = ctx.capture_hidden_mode
+        if mode.need_capture():
+            source = hidden if aux_hidden is None else aux_hidden
+            captured = source if mode is CaptureHiddenMode.FULL or rows is None else source[rows]
+        return LogitsProcessorOutput(logits, captured)

@@ -1,0 +1,90 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Routed experts in fused layout, computed grouped by expert (no per-token loop).
+
+`w13_weight [E_local, 2I, H]` holds each expert's gate (rows `:I`) and up (rows `I:`)
+projections; `w2_weight [E_local, H, I]` its down projection. Experts are split over the
+expert-parallel group in contiguous blocks; each rank computes its local experts and the
+partial outputs are summed across the group.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from runtime.distributed import ParallelGroup, all_reduce
+from runtime.kernels.grouped_gemm import grouped_gemm
+from runtime.layers.weight_utils import copy_checked, expect_loads, make_param
+
+_SINGLE = ParallelGroup()
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float | None) -> torch.Tensor:
+    """`silu(gate) * up`, with DeepSeek-V4's clamp (gate <= limit, |up| <= limit) when set."""
+    if limit is not None:
+        gate = gate.clamp(max=limit)
+        up = up.clamp(min=-limit, max=limit)
+    return F.silu(gate) * up
+
+
+class FusedMoEExperts(nn.Module):
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
+                 ep: ParallelGroup = _SINGLE, swiglu_limit: float | None = None, params_dtype=None):
+        super().__init__()
+        if num_experts % ep.size:
+            raise ValueError(f"{num_experts} experts do not split over {ep.size} expert-parallel ranks")
+        self.num_experts, self.ep, self.swiglu_limit = num_experts, ep, swiglu_limit
+        self.num_local_experts = num_experts // ep.size
+        self.first_local_expert = ep.rank * self.num_local_experts
+        self.intermediate_size = intermediate_size
+        e = self.num_local_experts
+        self.w13_weight = make_param((e, 2 * intermediate_size, hidden_size), params_dtype, self.weight_loader)
+        self.w2_weight = make_param((e, hidden_size, intermediate_size), params_dtype, self.weight_loader)
+        local_ids = range(self.first_local_expert, self.first_local_expert + e)
+        expect_loads(self.w13_weight, {(s, i) for s in ("w1", "w3") for i in local_ids})
+        expect_loads(self.w2_weight, {("w2", i) for i in local_ids})
+
+    def local_expert(self, expert_id: int) -> int | None:
+        local = expert_id - self.first_local_expert
+        return local if 0 <= local < self.num_local_experts else None
+
+    def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor, shard_id=None,
+                      expert_id: int | None = None) -> None:
+        """Load one expert's `w1`/`w3`/`w2` (shard id + expert id), or the whole fused tensor
+        for all experts (`shard_id=None, expert_id=None`, HF `gate_up_proj`/`down_proj`)."""
+        if expert_id is None:
+            first = self.first_local_expert
+            copy_checked(param.data, loaded[first:first + self.num_local_experts], "fused experts")
+            return
+        local = self.local_expert(expert_id)
+        if local is None:
+            return
+        i = self.intermediate_size
+        if shard_id == "w1":
+            copy_checked(param.data[local, :i], loaded, f"expert {expert_id} w1")
+        elif shard_id == "w3":
+            copy_checked(param.data[local, i:], loaded, f"expert {expert_id} w3")
+        elif shard_id == "w2":
+            copy_checked(param.data[local], loaded, f"expert {expert_id} w2")
+        else:
+            raise ValueError(f"expert shard id must be w1, w2 or w3, got {shard_id!r}")
+
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        """`x [T, H]`, `topk_weights/ids [T, k]` -> `sum_k w_k * expert_{id_k}(x)`, `[T, H]`."""
+        num_tokens, top_k = topk_ids.shape
+        flat_ids = topk_ids.flatten() - self.first_local_expert
+        token_of = torch.arange(num_tokens, device=x.device).repeat_interleave(top_k)
+        flat_weights = topk_weights.flatten()
+        if self.ep.size > 1:
+            local = (flat_ids >= 0) & (flat_ids < self.num_local_experts)
+            flat_ids, token_of, flat_weights = flat_ids[local], token_of[local], flat_weights[local]
+        order = torch.argsort(flat_ids, stable=True)
+        group_ends = torch.cumsum(torch.bincount(flat_ids, minlength=self.num_local_experts), 0)
+        rows = token_of[order]
+        gate_up = grouped_gemm(x[rows], self.w13_weight, group_ends)
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
+        down = grouped_gemm(swiglu(gate, up, self.swiglu_limit), self.w2_weight, group_ends)
+        down = down * flat_weights[order].unsqueeze(-1).to(down.dtype)
+        out = torch.zeros_like(x).index_add_(0, rows, down)
+        return all_reduce(out, self.ep)

@@ -1,0 +1,46 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Build a model for a checkpoint and fill it: class from the registry, parameters in the
+compute dtype, tensors streamed (and dequantized) from safetensors."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+
+from runtime.configs.model_config import ModelConfig
+from runtime.distributed import Mapping
+from runtime.model_loader.loader import checkpoint_weights
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype):
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def build_model(model_config: ModelConfig, mapping: Mapping, model_cls: type | None = None) -> nn.Module:
+    """An unfilled model in the compute dtype (fp32 where the model asks for it)."""
+    if model_cls is None:
+        from runtime.models.registry import resolve_model_class
+
+        model_cls = resolve_model_class(model_config.architectures)
+    with default_dtype(model_config.dtype):
+        model = model_cls(model_config.hf_config, mapping)
+    return model.eval()
+
+
+def load_model(model_config: ModelConfig, mapping: Mapping, model_cls: type | None = None,
+               progress: bool = True) -> nn.Module:
+    model = build_model(model_config, mapping, model_cls)
+    skip = getattr(model, "skip_checkpoint_weight", None)
+    # block_size=None: the FP8 block size comes from the checkpoint's quantization_config
+    weights = checkpoint_weights(model_config.model_path, model_config.dtype, block_size=None,
+                                 progress=progress, skip=skip)
+    model.load_weights(weights)
+    return model

@@ -1,0 +1,331 @@
+# SPDX-License-Identifier: Apache-2.0
+"""DeepSeek-V4 target model (research/deepseek_v4.md section 2).
+
+    X = repeat(embed(ids), hc)                              [T, hc, H]
+    per layer:  a, post, comb = hc_pre(X);  X = post*Attn(attn_norm(a)) + comb^T X
+                f, post, comb = hc_pre(X);  X = post*MoE(ffn_norm(f)) + comb^T X
+    logits = head(norm(hc_head(X)))
+
+`X` after the last layer (before `hc_head`) is what the MTP draft consumes; it is
+returned flattened `[T, hc*H]` when the context asks for hidden capture.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from runtime.cache.deepseek_v4_pool import DeepseekV4CacheLayout, DeepseekV4KVPool
+from runtime.distributed import Mapping
+from runtime.execution.forward_context import ForwardContext
+from runtime.layers.attention.deepseek_v4 import DeepseekV4Attention, RopeInputs
+from runtime.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from runtime.layers.hyper_connection import hc_head, hc_post, hc_pre
+from runtime.layers.logits_processor import LogitsProcessor, LogitsProcessorOutput
+from runtime.layers.mlp import SwiGLUMLP
+from runtime.layers.moe import ExpertCheckpointSchema, FusedMoEExperts, MoECheckpointLoader, select_experts
+from runtime.layers.norm import RMSNorm
+from runtime.layers.rotary import RotaryEmbedding
+from runtime.layers.weight_utils import WeightLoadTracker, make_param
+
+# ---------------------------------------------------------------------------------------
+# Config helpers
+# ---------------------------------------------------------------------------------------
+
+_LAYER_TYPE_RATIO_KEYS = {"compressed_sparse_attention", "heavily_compressed_attention"}
+
+
+def compress_ratio_of(config, layer_id: int) -> int:
+    """0 for window-only layers. Layers past the trunk (MTP) read the released
+    `compress_ratios` list when the config has one, else are window-only."""
+    if layer_id < config.num_hidden_layers:
+        layer_type = config.layer_types[layer_id]
+        return config.compress_rates[layer_type] if layer_type in _LAYER_TYPE_RATIO_KEYS else 0
+    ratios = getattr(config, "compress_ratios", None)
+    return int(ratios[layer_id]) if ratios and layer_id < len(ratios) else 0
+
+
+def is_hash_layer(config, layer_id: int) -> bool:
+    return layer_id < config.num_hidden_layers and config.mlp_layer_types[layer_id] == "hash_moe"
+
+
+def build_ropes(config) -> dict[str, RotaryEmbedding]:
+    """`main` for window-only layers (and MTP), `compress` (YaRN) for compressed layers."""
+    rotary_dim = config.qk_rope_head_dim
+    return {kind: RotaryEmbedding(rotary_dim, config.rope_parameters[kind], interleaved=True,
+                                  rotate_tail=True)
+            for kind in ("main", "compress")}
+
+
+# ---------------------------------------------------------------------------------------
+# Blocks
+# ---------------------------------------------------------------------------------------
+
+class DeepseekV4Gate(nn.Module):
+    """Router weights; learned layers carry the selection bias, hash layers `tid2eid`."""
+
+    def __init__(self, config, hashed: bool):
+        super().__init__()
+        self.hashed = hashed
+        self.weight = make_param((config.n_routed_experts, config.hidden_size))
+        if hashed:
+            self.tid2eid = make_param((config.vocab_size, config.num_experts_per_tok), torch.long)
+        else:
+            self.e_score_correction_bias = make_param((config.n_routed_experts,), torch.float32)
+
+
+class DeepseekV4MoE(nn.Module):
+    def __init__(self, config, hashed: bool, mapping: Mapping):
+        super().__init__()
+        self.top_k, self.scoring_func = config.num_experts_per_tok, config.scoring_func
+        self.renormalize = getattr(config, "norm_topk_prob", True)
+        self.routed_scaling_factor = config.routed_scaling_factor
+        self.gate = DeepseekV4Gate(config, hashed)
+        self.experts = FusedMoEExperts(config.n_routed_experts, config.hidden_size,
+                                       config.moe_intermediate_size, mapping.moe.ep, config.swiglu_limit)
+        shared_width = config.moe_intermediate_size * max(1, getattr(config, "n_shared_experts", 1))
+        self.shared_experts = SwiGLUMLP(config.hidden_size, shared_width, swiglu_limit=config.swiglu_limit)
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        gate = self.gate
+        weights, ids = select_experts(
+            nn.functional.linear(x, gate.weight), self.top_k, self.scoring_func,
+            correction_bias=None if gate.hashed else gate.e_score_correction_bias,
+            hash_expert_ids=gate.tid2eid[input_ids] if gate.hashed else None,
+            renormalize=self.renormalize, routed_scaling_factor=self.routed_scaling_factor)
+        return self.experts(x, weights, ids) + self.shared_experts(x)
+
+
+class DeepseekV4DecoderLayer(nn.Module):
+    """Attention and MoE sub-blocks, each wrapped in hc_pre / hc_post (section 2.3)."""
+
+    def __init__(self, config, layer_id: int, mapping: Mapping, cache_layer: int | None = None):
+        super().__init__()
+        self.layer_id = layer_id
+        self.compress_ratio = compress_ratio_of(config, layer_id)
+        self.rope_kind = "compress" if self.compress_ratio > 1 else "main"
+        self.norm_eps, self.hc_eps = config.rms_norm_eps, config.hc_eps
+        self.sinkhorn_iters = config.hc_sinkhorn_iters
+        hc = config.hc_mult
+        mix = (2 + hc) * hc
+        for part in ("attn", "ffn"):
+            setattr(self, f"hc_{part}_fn", make_param((mix, hc * config.hidden_size), torch.float32))
+            setattr(self, f"hc_{part}_base", make_param((mix,), torch.float32))
+            setattr(self, f"hc_{part}_scale", make_param((3,), torch.float32))
+        self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.ffn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.attn = DeepseekV4Attention(config, self.compress_ratio,
+                                        layer_id if cache_layer is None else cache_layer)
+        self.ffn = DeepseekV4MoE(config, is_hash_layer(config, layer_id), mapping)
+
+    def _hc_pre(self, x: torch.Tensor, part: str):
+        return hc_pre(x, getattr(self, f"hc_{part}_fn"), getattr(self, f"hc_{part}_scale"),
+                      getattr(self, f"hc_{part}_base"), self.norm_eps, self.hc_eps, self.sinkhorn_iters)
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext, input_ids: torch.Tensor,
+                ropes: dict[str, RopeInputs]) -> torch.Tensor:
+        """`x [T, hc, H]` -> `[T, hc, H]`."""
+        a, post, comb = self._hc_pre(x, "attn")
+        x = hc_post(self.attn(self.attn_norm(a), ctx, ropes[self.rope_kind]), x, post, comb)
+        f, post, comb = self._hc_pre(x, "ffn")
+        return hc_post(self.ffn(self.ffn_norm(f), input_ids), x, post, comb)
+
+
+class DeepseekV4Model(nn.Module):
+    def __init__(self, config, mapping: Mapping):
+        super().__init__()
+        self.config, self.hc_mult = config, config.hc_mult
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, mapping.attn.tp)
+        self.layers = nn.ModuleList(DeepseekV4DecoderLayer(config, i, mapping)
+                                    for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.hc_head_fn = make_param((config.hc_mult, config.hc_mult * config.hidden_size), torch.float32)
+        self.hc_head_base = make_param((config.hc_mult,), torch.float32)
+        self.hc_head_scale = make_param((1,), torch.float32)
+        self.ropes = nn.ModuleDict(build_ropes(config))
+
+    def rope_inputs(self, positions: torch.Tensor) -> dict[str, RopeInputs]:
+        return {kind: RopeInputs(rope, *rope.cos_sin(positions)) for kind, rope in self.ropes.items()}
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext,
+                input_embeds: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns `(normed hidden [T, H], residual streams before hc_head [T, hc*H])`."""
+        embeds = self.embed_tokens(input_ids) if input_embeds is None else input_embeds
+        x = embeds.unsqueeze(1).expand(-1, self.hc_mult, -1).contiguous()
+        ropes = self.rope_inputs(positions)
+        for layer in self.layers:
+            x = layer(x, ctx, input_ids, ropes)
+        cfg = self.config
+        y = hc_head(x, self.hc_head_fn, self.hc_head_scale, self.hc_head_base, cfg.rms_norm_eps, cfg.hc_eps)
+        return self.norm(y), x.flatten(1)
+
+
+# ---------------------------------------------------------------------------------------
+# Checkpoint names
+# ---------------------------------------------------------------------------------------
+
+# transformers' `save_pretrained` names -> released names (the inverse of the renames
+# transformers applies when it loads a released checkpoint). Applied in order.
+HF_TO_RELEASED: tuple[tuple[str, str], ...] = (
+    (r"^model\.embed_tokens\.", "embed."),
+    (r"^lm_head\.", "head."),
+    (r"^model\.norm\.", "norm."),
+    (r"^model\.hc_head\.hc_(fn|base|scale)$", r"hc_head_\1"),
+    (r"^model\.layers\.", "layers."),
+    (r"\.self_attn\.compressor\.indexer\.scorer\.weights_proj\.", ".attn.indexer.weights_proj."),
+    (r"\.self_attn\.compressor\.indexer\.q_b_proj\.", ".attn.indexer.wq_b."),
+    (r"\.self_attn\.compressor\.indexer\.", ".attn.indexer.compressor."),
+    (r"\.self_attn\.", ".attn."),
+    (r"\.mlp\.", ".ffn."),
+    (r"\.input_layernorm\.", ".attn_norm."),
+    (r"\.post_attention_layernorm\.", ".ffn_norm."),
+    (r"\.attn_hc\.(fn|base|scale)$", r".hc_attn_\1"),
+    (r"\.ffn_hc\.(fn|base|scale)$", r".hc_ffn_\1"),
+    (r"\.attn\.sinks$", ".attn.attn_sink"),
+    (r"\.compressor\.kv_norm\.", ".compressor.norm."),
+    (r"\.position_bias$", ".ape"),
+    (r"\.q_a_proj\.", ".wq_a."),
+    (r"\.q_a_norm\.", ".q_norm."),
+    (r"\.attn\.q_b_proj\.", ".attn.wq_b."),
+    (r"\.shared_experts\.gate_proj\.", ".shared_experts.w1."),
+    (r"\.shared_experts\.up_proj\.", ".shared_experts.w3."),
+    (r"\.shared_experts\.down_proj\.", ".shared_experts.w2."),
+    (r"\.kv_proj\.", ".wkv."),
+    (r"\.gate_proj\.", ".wgate."),
+    (r"\.o_a_proj\.", ".wo_a."),
+    (r"\.o_b_proj\.", ".wo_b."),
+    (r"\.gate\.e_score_correction_bias$", ".gate.bias"),
+)
+
+# Released names -> runtime parameters. Plain renames first, then (param, checkpoint, shard)
+# stacks in the order TokenSpeed's loader uses.
+RELEASED_RENAMES: tuple[tuple[str, str], ...] = (
+    (r"^embed\.", "model.embed_tokens."),
+    (r"^head\.", "lm_head."),
+    (r"^norm\.", "model.norm."),
+    (r"^hc_head_", "model.hc_head_"),
+    (r"^layers\.", "model.layers."),
+    (r"\.shared_experts\.w2\.", ".shared_experts.down_proj."),
+    (r"\.ffn\.gate\.bias$", ".ffn.gate.e_score_correction_bias"),
+)
+STACKED_PARAMS: tuple[tuple[str, str, int], ...] = (
+    ("shared_experts.gate_up_proj", "shared_experts.w1", 0),
+    ("shared_experts.gate_up_proj", "shared_experts.w3", 1),
+    ("attn.fused_wqa_wkv", "attn.wq_a", 0),
+    ("attn.fused_wqa_wkv", "attn.wkv", 1),
+    ("compressor.fused_wkv_wgate", "compressor.wkv", 0),
+    ("compressor.fused_wkv_wgate", "compressor.wgate", 1),
+)
+# transformers keeps routed experts fused; they load whole into the fused parameters.
+FUSED_EXPERTS = ((r"\.ffn\.experts\.gate_up_proj$", ".ffn.experts.w13_weight"),
+                 (r"\.ffn\.experts\.down_proj$", ".ffn.experts.w2_weight"))
+EXPERT_SCHEMA = ExpertCheckpointSchema(gate_proj_name="w1", down_proj_name="w2", up_proj_name="w3")
+
+
+def hf_to_released_name(name: str) -> str:
+    """A transformers `save_pretrained` name in the released naming (released names pass)."""
+    if not name.startswith(("model.", "lm_head.")):
+        return name
+    for pattern, repl in HF_TO_RELEASED:
+        name = re.sub(pattern, repl, name)
+    return name
+
+
+@dataclass(frozen=True)
+class ParamTarget:
+    param: str
+    shard_id: int | None = None
+
+
+def map_released_name(name: str) -> ParamTarget | None:
+    """Released checkpoint name -> runtime parameter (None for tensors the target skips).
+    Per-expert weights keep their `experts.E.wN` form for the MoE checkpoint loader."""
+    if name.startswith("mtp."):
+        return None
+    for pattern, repl in RELEASED_RENAMES:
+        name = re.sub(pattern, repl, name)
+    for pattern, repl in FUSED_EXPERTS:
+        if re.search(pattern, name):
+            return ParamTarget(re.sub(pattern, repl, name))
+    if ".experts." not in name:
+        for param, ckpt, shard in STACKED_PARAMS:
+            if f".{ckpt}." in name:
+                return ParamTarget(name.replace(f".{ckpt}.", f".{param}."), shard)
+    return ParamTarget(name)
+
+
+# ---------------------------------------------------------------------------------------
+# Entry class
+# ---------------------------------------------------------------------------------------
+
+class DeepseekV4ForCausalLM(nn.Module):
+    """Forward contract: `forward(ctx, input_ids, positions, out_cache_loc, ...)` returns a
+    `LogitsProcessorOutput` for `ctx.logits_row_indices`; with hidden capture it carries the
+    pre-`hc_head` streams `[T, hc*H]` that the MTP draft consumes."""
+
+    def __init__(self, config, mapping: Mapping | None = None, quant_config=None, prefix: str = ""):
+        super().__init__()
+        self.config, self.mapping = config, mapping or Mapping.single()
+        self.model = DeepseekV4Model(config, self.mapping)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, self.mapping.attn.tp)
+        self.logits_processor = LogitsProcessor()
+
+    @torch.no_grad()
+    def forward(self, ctx: ForwardContext, input_ids: torch.Tensor, positions: torch.Tensor,
+                out_cache_loc: torch.Tensor, input_embeds: torch.Tensor | None = None,
+                captured_hidden_states: torch.Tensor | None = None,
+                spec_step_idx: int = 0) -> LogitsProcessorOutput:
+        hidden, streams = self.model(input_ids, positions, ctx, input_embeds)
+        return self.logits_processor(hidden, self.lm_head, ctx, aux_hidden=streams)
+
+    @staticmethod
+    def skip_checkpoint_weight(name: str) -> bool:
+        """The draft's `mtp.*` tensors are not even read when loading the target."""
+        return name.startswith("mtp.")
+
+    def get_embed_and_head(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.model.embed_tokens.weight, self.lm_head.weight
+
+    # caches -------------------------------------------------------------------------------
+    @classmethod
+    def cache_layout(cls, config) -> DeepseekV4CacheLayout:
+        return DeepseekV4CacheLayout(
+            compress_ratios=tuple(compress_ratio_of(config, i) for i in range(config.num_hidden_layers)),
+            head_dim=config.head_dim, index_head_dim=config.index_head_dim,
+            sliding_window=config.sliding_window,
+            indexer_ratio=config.compress_rates["compressed_sparse_attention"])
+
+    @classmethod
+    def create_cache_pool(cls, config, max_reqs: int, num_pages: int, page_size: int,
+                          max_tokens_per_pass: int, dtype: torch.dtype, device="cpu") -> DeepseekV4KVPool:
+        return DeepseekV4KVPool(cls.cache_layout(config), max_reqs, num_pages, page_size,
+                                max_tokens_per_pass, dtype, device)
+
+    # weights ------------------------------------------------------------------------------
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Loads released (`layers.N.attn.wq_a.weight`, ...) or transformers names; `mtp.*`
+        is left to the draft model. Raises on a missing or mis-shaped tensor, naming it."""
+        params = dict(self.named_parameters())
+        tracker = WeightLoadTracker(params)
+        ep = self.mapping.moe.ep
+        experts = MoECheckpointLoader(EXPERT_SCHEMA, self.config.n_routed_experts, ep.rank, ep.size)
+        for raw_name, tensor in weights:
+            target = map_released_name(hf_to_released_name(raw_name))
+            if target is None:
+                continue
+            expert = experts.map(target.param)
+            if expert is not None:
+                if expert.local:
+                    tracker.load(raw_name, expert.param, tensor, expert.shard_id, expert.expert_id)
+                continue
+            tracker.load(raw_name, target.param, tensor,
+                         *(() if target.shard_id is None else (target.shard_id,)))
+        tracker.raise_if_incomplete(what="DeepSeek-V4 target")
+        return tracker.loaded_params
+
+
+EntryClass = [DeepseekV4ForCausalLM]

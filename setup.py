@@ -1,0 +1,32 @@
+# SPDX-License-Identifier: Apache-2.0
+from setuptools import find_packages, setup
+
+setup(
+    name="nextn-runtime",
+    version="0.1.0",
+    description="An LLM serving runtime with MTP (NextN) speculative decoding",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["runtime", "runtime.*"]),
+    package_data={"runtime": ["assets/**/*"]},
+    include_package_data=True,
+    install_requires=[
+        # torch is installed first by .ci/run (CPU build on disk); any recent release works.
+        "torch>=2.7",
+        "transformers>=5.23.0,<6",
+        "tokenizers>=0.22",
+        "safetensors>=0.5",
+        "tqdm>=4.66",
+        "numpy>=1.26",
+    ],
+    extras_require={
+        "test": [
+            # The oracle: this exact release ships deepseek_v4 and qwen4_exp.
+            "transformers==5.23.0",
+            "pytest>=8",
+            "scipy>=1.11",
+        ],
+    },
+    entry_points={"console_scripts": ["launch_server=runtime.launch_server:main"]},
+)

@@ -1,0 +1,146 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Tiny random checkpoints built on the fly, saved in the released DeepSeek-V4 naming.
+
+The weights come from a randomly initialised transformers model (every parameter
+re-drawn, so sinks, biases and position biases are not left at zero), renamed to the
+released checkpoint names and written with safetensors. transformers loads the same
+directory through its own conversion table, which makes it an independent oracle for
+our name mapping as well as for the numerics.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from runtime.models.deepseek_v4 import hf_to_released_name
+
+
+def tiny_v4_config(**overrides) -> dict:
+    config = {
+        "architectures": ["DeepseekV4ForCausalLM"],
+        "model_type": "deepseek_v4",
+        "vocab_size": 97,
+        "hidden_size": 32,
+        "moe_intermediate_size": 16,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 1,
+        "head_dim": 16,
+        "qk_rope_head_dim": 8,
+        "q_lora_rank": 24,
+        "o_groups": 2,
+        "o_lora_rank": 12,
+        "sliding_window": 8,
+        "layer_types": ["sliding_attention", "compressed_sparse_attention",
+                        "heavily_compressed_attention", "compressed_sparse_attention"],
+        "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 16},
+        "num_hash_layers": 1,
+        "index_n_heads": 4,
+        "index_head_dim": 16,
+        "index_topk": 3,
+        "n_routed_experts": 8,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 2,
+        "routed_scaling_factor": 1.5,
+        "scoring_func": "sqrtsoftplus",
+        "norm_topk_prob": True,
+        "swiglu_limit": 10.0,
+        "hc_mult": 4,
+        "hc_sinkhorn_iters": 20,
+        "hc_eps": 1e-6,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "compress_rope_theta": 160000.0,
+        "rope_scaling": {"type": "yarn", "factor": 16, "original_max_position_embeddings": 64,
+                         "beta_fast": 32, "beta_slow": 1},
+        "max_position_embeddings": 1024,
+        "num_nextn_predict_layers": 1,
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+        "tie_word_embeddings": False,
+        "torch_dtype": "float32",
+    }
+    config.update(overrides)
+    return config
+
+
+def _randomise_(model: torch.nn.Module, generator: torch.Generator, num_experts: int) -> None:
+    for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
+        if "inv_freq" in name:
+            continue
+        if name.endswith("tid2eid"):
+            rows = [torch.randperm(num_experts, generator=generator)[:tensor.shape[1]]
+                    for _ in range(tensor.shape[0])]
+            tensor.data.copy_(torch.stack(rows))
+            continue
+        noise = torch.randn(tensor.shape, generator=generator)
+        if name.endswith(("norm.weight", "layernorm.weight", "kv_norm.weight", "q_a_norm.weight")):
+            value = 1.0 + 0.1 * noise
+        elif name.endswith(("scale", "hc_scale")):
+            value = 1.0 + 0.2 * noise
+        elif name.endswith(("sinks", "base", "hc_base", "position_bias", "e_score_correction_bias")):
+            value = 0.3 * noise
+        elif name.endswith(("fn", "hc_fn")):
+            value = 0.1 * noise
+        else:
+            fan_in = tensor.shape[-1]
+            value = noise / fan_in**0.5
+        tensor.data.copy_(value)
+
+
+def released_state_dict(hf_state: dict[str, torch.Tensor], intermediate: int) -> dict[str, torch.Tensor]:
+    """transformers names -> released names, routed experts split per expert."""
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in hf_state.items():
+        if name.endswith("mlp.experts.gate_up_proj"):
+            prefix = hf_to_released_name(name.removesuffix(".experts.gate_up_proj") + ".x")[:-2]
+            for e in range(tensor.shape[0]):
+                out[f"{prefix}.experts.{e}.w1.weight"] = tensor[e, :intermediate].clone()
+                out[f"{prefix}.experts.{e}.w3.weight"] = tensor[e, intermediate:].clone()
+        elif name.endswith("mlp.experts.down_proj"):
+            prefix = hf_to_released_name(name.removesuffix(".experts.down_proj") + ".x")[:-2]
+            for e in range(tensor.shape[0]):
+                out[f"{prefix}.experts.{e}.w2.weight"] = tensor[e].clone()
+        else:
+            out[hf_to_released_name(name)] = tensor.clone().contiguous()
+    return out
+
+
+def make_hf_v4_model(config: dict, seed: int = 0):
+    from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+
+    hf_config = DeepseekV4Config(**{k: v for k, v in config.items() if k not in ("architectures", "model_type")})
+    torch.manual_seed(seed)
+    model = DeepseekV4ForCausalLM(hf_config).float().eval()
+    _randomise_(model, torch.Generator().manual_seed(seed), hf_config.n_routed_experts)
+    return model
+
+
+def save_released_checkpoint(path: Path, config: dict, state: dict[str, torch.Tensor],
+                             num_shards: int = 1) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    names = sorted(state)
+    if num_shards == 1:
+        save_file(state, str(path / "model.safetensors"))
+        return path
+    weight_map = {}
+    for shard in range(num_shards):
+        file = f"model-{shard + 1:05d}-of-{num_shards:05d}.safetensors"
+        part = {n: state[n] for n in names[shard::num_shards]}
+        save_file(part, str(path / file))
+        weight_map.update(dict.fromkeys(part, file))
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return path
+
+
+def build_tiny_v4_checkpoint(path: Path, seed: int = 0, num_shards: int = 1, **overrides):
+    """Writes a released-named checkpoint; returns (path, the transformers model it came from)."""
+    config = tiny_v4_config(**overrides)
+    model = make_hf_v4_model(config, seed)
+    state = released_state_dict(model.state_dict(), config["moe_intermediate_size"])
+    return save_released_checkpoint(path, config, state, num_shards), model
