@@ -168,9 +168,13 @@ class DeepseekV4Model(nn.Module):
 # Checkpoint names
 # ---------------------------------------------------------------------------------------
 
-# transformers' `save_pretrained` names -> released names (the inverse of the renames
-# transformers applies when it loads a released checkpoint). Applied in order.
+# transformers names -> released names. Two spellings reach us: module names
+# (`model.layers.0.self_attn.q_a_proj.weight`, a raw `state_dict()`) and what
+# `save_pretrained` writes, which reverses transformers' load-time renames only partly
+# (`model.layers.0.attn.wq_a.weight`, and the main attention's kv_norm as `attn.norm`).
+# Applied in order.
 HF_TO_RELEASED: tuple[tuple[str, str], ...] = (
+    (r"\.attn\.norm\.", ".attn.kv_norm."),
     (r"^model\.embed_tokens\.", "embed."),
     (r"^lm_head\.", "head."),
     (r"^model\.norm\.", "norm."),

@@ -1,0 +1,24 @@
+# SPDX-License-Identifier: Apache-2.0
+import pytest
+import torch
+
+from tests.tiny_checkpoints import build_tiny_v4_checkpoint
+
+
+@pytest.fixture(autouse=True)
+def _deterministic():
+    torch.manual_seed(0)
+
+
+@pytest.fixture(scope="session")
+def tiny_v4(tmp_path_factory):
+    """(checkpoint dir, transformers model) for the default tiny V4: hc_mult 4, every
+    attention kind (window, CSA + indexer, HCA) and both MLP kinds (hash-MoE, MoE)."""
+    return build_tiny_v4_checkpoint(tmp_path_factory.mktemp("tiny_v4"), seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_v4_hc2(tmp_path_factory):
+    """hc_mult 2, sharded into 3 files."""
+    return build_tiny_v4_checkpoint(tmp_path_factory.mktemp("tiny_v4_hc2"), seed=1, num_shards=3,
+                                    hc_mult=2)

@@ -1,0 +1,94 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Request/token slot bookkeeping and the DeepSeek-V4 cache addressing."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from runtime.cache import PagedTokenAllocator, ReqToTokenPool, SlotTable
+from runtime.cache.deepseek_v4_pool import DeepseekV4CacheLayout, DeepseekV4KVPool
+
+
+def table(max_reqs=4, pages=10, page_size=4, context=64):
+    return SlotTable(ReqToTokenPool(max_reqs, context), PagedTokenAllocator(pages, page_size))
+
+
+def test_reserve_assigns_whole_pages_and_release_returns_them():
+    t = table()
+    start = t.allocator.available_tokens()
+    req = t.open_request()
+    assert t.reserve(req, 5)
+    assert t.reserved_tokens(req) == 8 and t.allocator.available_tokens() == start - 8
+    slots = t.slots(req, 0, 8)
+    assert len(set(slots.tolist())) == 8
+    assert (slots[:4] // 4).unique().numel() == 1 and (slots[4:] // 4).unique().numel() == 1
+    assert (slots % 4).tolist() == [0, 1, 2, 3, 0, 1, 2, 3]  # position p at offset p % page
+    assert t.reserve(req, 8) and t.allocator.available_tokens() == start - 8  # nothing new needed
+    t.release(req)
+    assert t.allocator.available_tokens() == start and t.req_pool.available() == 4
+
+
+def test_reserve_failure_takes_nothing_and_trim_frees_tail_pages():
+    t = table(pages=3)
+    req = t.open_request()
+    assert t.reserve(req, 8)
+    assert not t.reserve(req, 13)
+    assert t.reserved_tokens(req) == 8 and t.allocator.available_pages() == 1
+    t.trim(req, 3)
+    assert t.reserved_tokens(req) == 4 and t.allocator.available_pages() == 2
+    with pytest.raises(ValueError, match="exceed the context length"):
+        t.reserve(req, 65)
+
+
+def test_request_slots_run_out_cleanly():
+    t = table(max_reqs=2)
+    a, b = t.open_request(), t.open_request()
+    assert t.open_request() is None
+    t.release(a)
+    assert t.open_request() == a
+    with pytest.raises(ValueError, match="not allocated"):
+        t.req_pool.free(3)
+
+
+@pytest.mark.parametrize("page_size", [1, 3, 4, 6, 16, 32])
+def test_compressed_rows_are_unique_per_block_and_fit_the_pool(page_size):
+    layout = DeepseekV4CacheLayout((0, 4, 16), head_dim=8, index_head_dim=4, sliding_window=8)
+    pages = -(-64 // page_size) * 3
+    pool = DeepseekV4KVPool(layout, max_reqs=3, num_pages=pages, page_size=page_size,
+                            max_tokens_per_pass=4, dtype=torch.float32)
+    t = SlotTable(ReqToTokenPool(3, 64), PagedTokenAllocator(pages, page_size))
+    reqs = [t.open_request() for _ in range(3)]
+    for r in reqs:
+        assert t.reserve(r, 64)
+    for ratio in (4, 16):
+        rows = []
+        for r in reqs:
+            starts = torch.arange(0, 64, ratio)
+            rows += pool.compressed_loc(ratio, t.req_to_token[r, starts]).tolist()
+        assert len(set(rows)) == len(rows)
+        assert max(rows) < pool.compressed_kv[1 if ratio == 4 else 2].shape[0]
+
+
+def test_rings_hold_window_plus_one_pass_without_collisions():
+    layout = DeepseekV4CacheLayout((0, 4), head_dim=8, index_head_dim=4, sliding_window=8)
+    pool = DeepseekV4KVPool(layout, max_reqs=2, num_pages=8, page_size=4, max_tokens_per_pass=4,
+                            dtype=torch.float32)
+    assert pool.swa_ring == 12 and pool.state_ring(4) == 12
+    req = torch.tensor([1])
+    for last in range(40):
+        # a verify pass writes last..last+3 while rows down to last-7 stay readable
+        live = torch.arange(max(0, last - 7), last + 4)
+        locs = pool.swa_loc(req.expand_as(live), live)
+        assert locs.unique().numel() == live.numel()
+        assert ((locs >= 12) & (locs < 24)).all()
+    assert pool.nbytes() > 0 and "compress ratios [4]" in pool.describe()
+
+
+def test_page_slots_cover_pages_in_order():
+    alloc = PagedTokenAllocator(5, 3)
+    pages = alloc.alloc_pages(2)
+    assert alloc.page_slots(pages).tolist() == list(itertools.chain(*(range(p * 3, p * 3 + 3) for p in pages)))
+    assert alloc.alloc_pages(4) is None and alloc.available_pages() == 3
