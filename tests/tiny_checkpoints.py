@@ -39,7 +39,7 @@ def tiny_v4_config(**overrides) -> dict:
                         "heavily_compressed_attention", "compressed_sparse_attention"],
         "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 16},
         "num_hash_layers": 1,
-        "index_n_heads": 4,
+        "index_n_heads": 16,
         "index_head_dim": 16,
         "index_topk": 3,
         "n_routed_experts": 8,
@@ -144,3 +144,42 @@ def build_tiny_v4_checkpoint(path: Path, seed: int = 0, num_shards: int = 1, **o
     model = make_hf_v4_model(config, seed)
     state = released_state_dict(model.state_dict(), config["moe_intermediate_size"])
     return save_released_checkpoint(path, config, state, num_shards), model
+
+
+def mtp_state(config: dict, seed: int) -> tuple[dict[str, torch.Tensor], torch.nn.Module]:
+    """Random `mtp.0.*` tensors in the released naming, and the transformers model whose last
+    decoder layer is the MTP block (the dense oracle reuses it)."""
+    num_layers = config["num_hidden_layers"]
+    plus = {**config, "num_hidden_layers": num_layers + 1,
+            "layer_types": list(config["layer_types"]) + ["sliding_attention"]}
+    model = make_hf_v4_model(plus, seed + 100)
+    released = released_state_dict(model.state_dict(), config["moe_intermediate_size"])
+    prefix = f"layers.{num_layers}."
+    state = {"mtp.0." + k[len(prefix):]: v for k, v in released.items() if k.startswith(prefix)}
+    g = torch.Generator().manual_seed(seed + 200)
+    hidden, hc = config["hidden_size"], config["hc_mult"]
+
+    def noise(*shape):
+        return torch.randn(shape, generator=g)
+
+    state.update({
+        "mtp.0.enorm.weight": 1 + 0.1 * noise(hidden),
+        "mtp.0.hnorm.weight": 1 + 0.1 * noise(hidden),
+        "mtp.0.norm.weight": 1 + 0.1 * noise(hidden),
+        "mtp.0.e_proj.weight": noise(hidden, hidden) / hidden**0.5,
+        "mtp.0.h_proj.weight": noise(hidden, hidden) / hidden**0.5,
+        "mtp.0.hc_head_fn": 0.1 * noise(hc, hc * hidden),
+        "mtp.0.hc_head_base": 0.3 * noise(hc),
+        "mtp.0.hc_head_scale": 1 + 0.2 * noise(1),
+    })
+    return state, model
+
+
+def build_tiny_v4_mtp_checkpoint(path: Path, seed: int = 0, num_shards: int = 1, **overrides):
+    """A tiny V4 target plus one random MTP layer. Returns (path, target hf model, mtp hf model)."""
+    config = tiny_v4_config(**overrides)
+    target = make_hf_v4_model(config, seed)
+    state = released_state_dict(target.state_dict(), config["moe_intermediate_size"])
+    extra, mtp_model = mtp_state(config, seed)
+    state.update(extra)
+    return save_released_checkpoint(path, config, state, num_shards), target, mtp_model

@@ -13,7 +13,7 @@ returned flattened `[T, hc*H]` when the context asks for hidden capture.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -271,6 +271,8 @@ class DeepseekV4ForCausalLM(nn.Module):
     `LogitsProcessorOutput` for `ctx.logits_row_indices`; with hidden capture it carries the
     pre-`hc_head` streams `[T, hc*H]` that the MTP draft consumes."""
 
+    draft_architecture = "DeepseekV4ForCausalLMNextN"  # its MTP draft, for NEXTN
+
     def __init__(self, config, mapping: Mapping | None = None, quant_config=None, prefix: str = ""):
         super().__init__()
         self.config, self.mapping = config, mapping or Mapping.single()
@@ -313,23 +315,35 @@ class DeepseekV4ForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Loads released (`layers.N.attn.wq_a.weight`, ...) or transformers names; `mtp.*`
         is left to the draft model. Raises on a missing or mis-shaped tensor, naming it."""
-        params = dict(self.named_parameters())
-        tracker = WeightLoadTracker(params)
-        ep = self.mapping.moe.ep
-        experts = MoECheckpointLoader(EXPERT_SCHEMA, self.config.n_routed_experts, ep.rank, ep.size)
-        for raw_name, tensor in weights:
-            target = map_released_name(hf_to_released_name(raw_name))
-            if target is None:
-                continue
-            expert = experts.map(target.param)
-            if expert is not None:
-                if expert.local:
-                    tracker.load(raw_name, expert.param, tensor, expert.shard_id, expert.expert_id)
-                continue
-            tracker.load(raw_name, target.param, tensor,
-                         *(() if target.shard_id is None else (target.shard_id,)))
+        tracker = load_released_weights(self, weights, hf_to_released_name)
         tracker.raise_if_incomplete(what="DeepSeek-V4 target")
         return tracker.loaded_params
+
+
+def load_released_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
+                          to_released: Callable[[str], str | None],
+                          shared_params: tuple[str, ...] = ()) -> WeightLoadTracker:
+    """Feed checkpoint tensors to `model`'s parameters through the released naming.
+
+    `to_released` turns a checkpoint name into a released name (None skips the tensor);
+    `shared_params` are parameters another model provides (not required here).
+    """
+    params = {n: p for n, p in model.named_parameters() if n not in shared_params}
+    tracker = WeightLoadTracker(params)
+    ep = model.mapping.moe.ep
+    experts = MoECheckpointLoader(EXPERT_SCHEMA, model.config.n_routed_experts, ep.rank, ep.size)
+    for raw_name, tensor in weights:
+        released = to_released(raw_name)
+        target = None if released is None else map_released_name(released)
+        if target is None:
+            continue
+        expert = experts.map(target.param)
+        if expert is not None:
+            if expert.local:
+                tracker.load(raw_name, expert.param, tensor, expert.shard_id, expert.expert_id)
+            continue
+        tracker.load(raw_name, target.param, tensor, *(() if target.shard_id is None else (target.shard_id,)))
+    return tracker
 
 
 EntryClass = [DeepseekV4ForCausalLM]

@@ -39,6 +39,10 @@ class Req:
     created_at: float = field(default_factory=time.perf_counter)
     finished_at: float | None = None
     num_retractions: int = 0
+    # speculative decoding: next round's draft tokens and acceptance counters
+    draft_tokens: list[int] = field(default_factory=list)
+    spec_verify_ct: int = 0
+    spec_accept_hist: list[int] = field(default_factory=list)  # [m]: rounds that accepted m drafts
 
     @property
     def all_ids(self) -> list[int]:

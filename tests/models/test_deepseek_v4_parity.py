@@ -147,3 +147,27 @@ def test_loads_raw_state_dict_module_names(tiny_v4, tmp_path):
     out = runner.forward(ModelInput(ForwardMode.EXTEND, ids, [req], [0], [len(ids)],
                                     logits_row_indices=all_rows(len(ids))))
     torch.testing.assert_close(out.next_token_logits, hf_logits(hf, ids), atol=ATOL, rtol=0)
+
+
+def test_indexer_ties_break_the_same_way_in_any_batch(tmp_path):
+    """With 2 indexer heads, relu often zeroes whole scores and top-k meets exact ties; the
+    selection must not depend on what else is in the batch (else speculative verify, whose
+    batch differs from plain decode, would not be lossless)."""
+    from tests.tiny_checkpoints import build_tiny_v4_checkpoint
+
+    path, _ = build_tiny_v4_checkpoint(tmp_path / "ties", seed=11, index_n_heads=2)
+    runner, table = make_runner(path, page_size=4)
+    seqs = [random_ids(n, seed=20 + n) for n in (31, 45, 9, 38)]
+    alone = []
+    for seq in seqs:
+        req = table.open_request()
+        table.reserve(req, len(seq))
+        alone.append(runner.forward(ModelInput(ForwardMode.EXTEND, seq, [req], [0], [len(seq)],
+                                               logits_row_indices=all_rows(len(seq)))).next_token_logits)
+        table.release(req)
+    reqs = [table.open_request() for _ in seqs]
+    for req, seq in zip(reqs, seqs):
+        table.reserve(req, len(seq))
+    out = runner.forward(ModelInput(ForwardMode.EXTEND, torch.cat(seqs), reqs, [0] * 4, [len(s) for s in seqs],
+                                    logits_row_indices=all_rows(sum(len(s) for s in seqs))))
+    torch.testing.assert_close(out.next_token_logits, torch.cat(alone), atol=ATOL, rtol=0)

@@ -209,7 +209,9 @@ class DeepseekV4Indexer(nn.Module):
         scores = torch.relu(torch.einsum("thd,tcd->thc", q.float(), keys.float())) * self.head_dim**-0.5
         weights = self.weights_proj(x).float() * self.num_heads**-0.5
         total = torch.einsum("thc,th->tc", scores, weights).masked_fill(~access.read_valid, float("-inf"))
-        selected = total.topk(min(self.topk, num_entries), dim=-1).indices
+        # Ties are common (relu zeroes whole scores); a stable sort breaks them toward the
+        # older entry, the same way whatever the batch looks like (topk's order is unspecified).
+        selected = total.sort(dim=-1, descending=True, stable=True).indices[:, :min(self.topk, num_entries)]
         return selected, access.read_valid.gather(1, selected)
 
 

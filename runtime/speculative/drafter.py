@@ -1,0 +1,51 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Chain drafting with the MTP layer (`topk = 1`).
+
+Input per request: target rows at positions `prefix .. prefix + n - 1`, the token that
+follows each row, and the target's captured hidden state of each row. The draft first
+runs over all those rows (filling its own KV), takes the prediction at the row whose
+successor is the newest committed token (`gather_row`), then chains `num_steps - 1`
+single-token steps on its own output hidden. Drafting is greedy whatever the request's
+sampling parameters (the acceptance rule keeps sampling exact).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from runtime.execution.forward_mode import CaptureHiddenMode, ForwardMode
+from runtime.execution.model_runner import ModelInput, ModelRunner
+
+
+class MTPDrafter:
+    def __init__(self, draft: ModelRunner, num_steps: int):
+        self.runner, self.num_steps = draft, num_steps
+
+    def draft(self, reqs: Sequence, prefix_lens: list[int], extend_lens: list[int],
+              next_tokens: torch.Tensor, target_hidden: torch.Tensor,
+              gather_rows: Sequence[int]) -> list[list[int]]:
+        """Request b's rows sit at positions `prefix_lens[b] ..` (`extend_lens[b]` of them);
+        `next_tokens [T]` is the token after each row, `target_hidden [T, D]` the target's
+        captured state of each row, `gather_rows[b]` the row to draft from (its successor is
+        the newest committed token). Returns `num_steps` draft tokens per request."""
+        req_pool_indices = [r.req_pool_idx for r in reqs]
+        starts = torch.tensor(extend_lens).cumsum(0) - torch.tensor(extend_lens)
+        rows = (starts + torch.tensor(list(gather_rows))).tolist()
+        out = self.runner.forward(ModelInput(
+            ForwardMode.DRAFT_EXTEND, next_tokens, req_pool_indices, prefix_lens, extend_lens,
+            capture_hidden_mode=CaptureHiddenMode.LAST, captured_hidden_states=target_hidden,
+            logits_row_indices=rows))
+        tokens = out.next_token_logits.argmax(-1)
+        drafts = [tokens]
+        positions = [p + g + 1 for p, g in zip(prefix_lens, gather_rows)]
+        for step in range(1, self.num_steps):
+            out = self.runner.forward(ModelInput(
+                ForwardMode.DECODE, tokens, req_pool_indices, positions, [1] * len(positions),
+                capture_hidden_mode=CaptureHiddenMode.LAST, captured_hidden_states=out.hidden_states,
+                spec_step_idx=step))
+            tokens = out.next_token_logits.argmax(-1)
+            drafts.append(tokens)
+            positions = [p + 1 for p in positions]
+        return torch.stack(drafts, dim=1).tolist()

@@ -1,0 +1,168 @@
+# SPDX-License-Identifier: Apache-2.0
+"""NEXTN speculative decoding is lossless: greedy output equals plain greedy decoding,
+sampling reproduces the plain distribution, caches end as plain decoding leaves them."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from runtime import Engine
+from runtime.speculative.drafter import MTPDrafter
+from tests.tiny_checkpoints import build_tiny_v4_mtp_checkpoint
+
+GREEDY = {"temperature": 0, "max_new_tokens": 48, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def mtp_ckpt(tmp_path_factory):
+    return build_tiny_v4_mtp_checkpoint(tmp_path_factory.mktemp("nextn"), seed=7)[0]
+
+
+def make_prompts(count, seed, low=3, high=40, vocab=97):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(2, vocab, (int(n),), generator=g).tolist()
+            for n in torch.randint(low, high, (count,), generator=g)]
+
+
+class OracleDrafter:
+    """Proposes the plain greedy continuation (optionally corrupted with probability
+    `noise`, which makes acceptance partial and exercises rollback)."""
+
+    def __init__(self, steps, references: dict[tuple, list[int]], noise=0.0, seed=0, vocab=97):
+        self.steps, self.references, self.noise, self.vocab = steps, references, noise, vocab
+        self.rng = random.Random(seed)
+
+    def committed(self, req, prefix, next_tokens, gather_row):
+        return req.all_ids[:prefix + 1] + next_tokens[:gather_row + 1]
+
+    def draft(self, reqs, prefix_lens, extend_lens, next_tokens, target_hidden, gather_rows):
+        out, start = [], 0
+        for req, prefix, n, g in zip(reqs, prefix_lens, extend_lens, gather_rows):
+            seq = self.committed(req, prefix, next_tokens[start:start + n].tolist(), g)
+            reference = self.references[tuple(req.prompt_ids)]
+            proposal = (reference[len(seq):] + [0] * self.steps)[:self.steps]
+            out.append([self.rng.randrange(self.vocab) if self.rng.random() < self.noise else t
+                        for t in proposal])
+            start += n
+        return out
+
+
+class GarbageDrafter(OracleDrafter):
+    def draft(self, reqs, *args):
+        return [[self.rng.randrange(self.vocab) for _ in range(self.steps)] for _ in reqs]
+
+
+def nextn_engine(path, steps=3, page_size=4, **kw):
+    return Engine(model_path=str(path), dtype="float32", page_size=page_size, max_running_requests=16,
+                  speculative_algorithm="NEXTN", speculative_num_steps=steps, **kw)
+
+
+@pytest.fixture(scope="module")
+def plain_reference(mtp_ckpt):
+    """Plain greedy outputs (2 extra rounds long, for the oracle) of 21 prompts."""
+    engine = Engine(model_path=str(mtp_ckpt), dtype="float32", page_size=4, max_running_requests=32)
+    prompts = make_prompts(21, seed=1)
+    long = {**GREEDY, "max_new_tokens": GREEDY["max_new_tokens"] + 10}
+    outputs = [r["output_ids"] for r in engine.generate(input_ids=prompts, sampling_params=long)]
+    return prompts, {tuple(p): p + o for p, o in zip(prompts, outputs)}
+
+
+def run_batches(engine, prompts, sizes=(1, 4, 16)):
+    outputs, start = [], 0
+    for size in sizes:
+        batch = prompts[start:start + size]
+        outputs += engine.generate(input_ids=batch, sampling_params=GREEDY)
+        start += size
+    return outputs
+
+
+@pytest.mark.parametrize("steps", [1, 2, 3, 4])
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_greedy_nextn_equals_plain_greedy(mtp_ckpt, plain_reference, steps, page_size):
+    """21 prompts (3-39 tokens) + 48 new tokens: past the window (8) and several compress
+    boundaries (4, 16), in batches of 1, 4 and 16, with a partially right drafter."""
+    prompts, references = plain_reference
+    engine = nextn_engine(mtp_ckpt, steps, page_size)
+    engine.worker.drafter = OracleDrafter(steps, references, noise=0.3, seed=steps)
+    start_free = engine.slot_table.allocator.available_tokens()
+    outputs = run_batches(engine, prompts)
+    for prompt, out in zip(prompts, outputs):
+        assert out["output_ids"] == references[tuple(prompt)][len(prompt):len(prompt) + 48]
+    assert engine.slot_table.allocator.available_tokens() == start_free
+    assert engine.slot_table.req_pool.available() == engine.slot_table.req_pool.max_reqs
+    assert 1.3 < engine.avg_spec_accept_length < steps + 1
+
+
+def test_real_mtp_draft_is_lossless(mtp_ckpt, plain_reference):
+    prompts, references = plain_reference
+    engine = nextn_engine(mtp_ckpt, steps=3, page_size=1)
+    assert isinstance(engine.worker.drafter, MTPDrafter)
+    outputs = run_batches(engine, prompts)
+    for prompt, out in zip(prompts, outputs):
+        assert out["output_ids"] == references[tuple(prompt)][len(prompt):len(prompt) + 48]
+
+
+def test_oracle_drafter_is_fully_accepted(mtp_ckpt, plain_reference):
+    prompts, references = plain_reference
+    engine = nextn_engine(mtp_ckpt, steps=3)
+    engine.worker.drafter = OracleDrafter(3, references)
+    out = engine.generate(input_ids=prompts[:4], sampling_params=GREEDY)
+    for r in out:
+        meta = r["meta_info"]
+        hist = meta["spec_accept_histogram"]
+        assert hist[:3] == [0, 0, 0] and hist[3] == meta["spec_verify_ct"]
+        # 1 token from prefill, then 4 per round; the last round is cut at max_new_tokens
+        assert meta["spec_verify_ct"] == 12 and meta["spec_accept_length"] == 4.0
+    assert engine.worker.stats.acceptance_rate_per_position() == [1.0, 1.0, 1.0]
+
+
+def test_garbage_drafter_is_rejected_without_changing_output(mtp_ckpt, plain_reference):
+    prompts, references = plain_reference
+    engine = nextn_engine(mtp_ckpt, steps=3)
+    engine.worker.drafter = GarbageDrafter(3, references)
+    out = engine.generate(input_ids=prompts[:4], sampling_params=GREEDY)
+    for prompt, r in zip(prompts, out):
+        assert r["output_ids"] == references[tuple(prompt)][len(prompt):len(prompt) + 48]
+    assert engine.avg_spec_accept_length < 1.1
+
+
+def test_metrics_are_consistent(mtp_ckpt, plain_reference):
+    prompts, references = plain_reference
+    engine = nextn_engine(mtp_ckpt, steps=2)
+    engine.worker.drafter = OracleDrafter(2, references, noise=0.4, seed=3)
+    for r in engine.generate(input_ids=prompts[:6], sampling_params={**GREEDY, "max_new_tokens": 200}):
+        meta = r["meta_info"]
+        hist = meta["spec_accept_histogram"]
+        assert sum(hist) == meta["spec_verify_ct"]
+        emitted = 1 + sum((m + 1) * count for m, count in enumerate(hist))
+        assert emitted - 2 <= meta["completion_tokens"] <= emitted  # the last round may be cut
+        assert meta["spec_accept_length"] == pytest.approx(meta["completion_tokens"] / meta["spec_verify_ct"])
+
+
+def test_bad_speculative_settings_fail_clearly(mtp_ckpt, tiny_v4, tmp_path):
+    with pytest.raises(ValueError, match="topk 1"):
+        nextn_engine(mtp_ckpt, speculative_eagle_topk=2)
+    with pytest.raises(ValueError, match="unknown --speculative-algorithm 'MEDUSA'"):
+        Engine(model_path=str(mtp_ckpt), speculative_algorithm="MEDUSA")
+    # a checkpoint whose config promises an MTP layer but ships no mtp.* tensors
+    with pytest.raises(ValueError, match=r"no MTP \(NextN\) weights.*drop --speculative-algorithm"):
+        nextn_engine(tiny_v4[0])
+    # a checkpoint without any MTP layer in its config
+    import json
+    import shutil
+
+    shutil.copytree(tiny_v4[0], tmp_path / "c")
+    config = json.loads((tmp_path / "c" / "config.json").read_text())
+    config["num_nextn_predict_layers"] = 0
+    (tmp_path / "c" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="no MTP \\(NextN\\) draft layer"):
+        nextn_engine(tmp_path / "c")
+
+
+def test_draft_token_count_mismatch_is_corrected(mtp_ckpt, caplog):
+    engine = nextn_engine(mtp_ckpt, steps=2, speculative_num_draft_tokens=7)
+    assert engine.spec_config.num_draft_tokens == 3
+    assert "using 3 (steps + 1)" in caplog.text
