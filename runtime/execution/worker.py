@@ -1,61 +1,149 @@
 # SPDX-License-Identifier: Apache-2.0
-"""`PlainWorker`: one target forward per step, one sampled token per request.
+"""Workers sit between the scheduler (requests, token ids) and the model runners (tensors).
 
-Workers sit between the scheduler (requests, token ids) and the model runners (tensors).
-Each step returns the new tokens of every request; the scheduler applies finish checks.
+A step gets prefill chunks (`req`, `end`: process `all_ids[num_cached:end]`) and decode
+requests (one uncached token each) and returns a `TokenOutput` per request: the new
+tokens (none for a prefill chunk that does not reach the end of its prompt) and, when the
+request asked for them, their logprobs. The scheduler applies the finish checks.
+
+`PlainWorker` runs everything in one forward: decode rows and prefill chunks mix freely.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-
 import torch
 
 from runtime.execution.forward_mode import CaptureHiddenMode, ForwardMode
 from runtime.execution.model_runner import ModelInput, ModelRunner
+from runtime.execution.penalties import RowHistory, adjust_logits
 from runtime.execution.sampler import SamplingBatch, sample
-from runtime.layers.logits_processor import LogitsProcessorOutput
+from runtime.scheduler.step_io import Chunk, TokenOutput
 
 
-def extend_input(reqs: Sequence, capture: CaptureHiddenMode = CaptureHiddenMode.NULL) -> ModelInput:
-    """Every request's uncached tokens (`all_ids[num_cached:]`) on top of its cached prefix."""
-    tokens = [r.all_ids[r.num_cached:] for r in reqs]
-    return ModelInput(
-        ForwardMode.EXTEND,
-        input_ids=torch.tensor([t for seq in tokens for t in seq], dtype=torch.long),
-        req_pool_indices=[r.req_pool_idx for r in reqs],
-        prefix_lens=[r.num_cached for r in reqs],
-        extend_lens=[len(t) for t in tokens],
-        capture_hidden_mode=capture)
+def chunk_input(chunks: Sequence[Chunk], mode: ForwardMode,
+                capture: CaptureHiddenMode = CaptureHiddenMode.NULL) -> ModelInput:
+    ids = [t for c in chunks for t in c.req.all_ids[c.start:c.end]]
+    return ModelInput(mode, torch.tensor(ids, dtype=torch.long),
+                      req_pool_indices=[c.req.req_pool_idx for c in chunks],
+                      prefix_lens=[c.start for c in chunks], extend_lens=[c.length for c in chunks],
+                      capture_hidden_mode=capture)
 
 
-def sample_next(reqs: Sequence, logits: torch.Tensor, vocab_size: int,
-                generator: torch.Generator | None) -> list[int]:
-    """One token per request from its logits row; seeded rows are keyed by output position."""
+def wants_prompt_logprobs(req) -> bool:
+    return req.return_logprob and req.logprob_start_len >= 0 and not req.input_logprobs_done
+
+
+def prompt_logprob_rows(chunk: Chunk) -> list[int]:
+    """Positions (within the prompt) whose row scores a prompt token the request wants the
+    logprob of: the row at position p scores token p + 1."""
+    if not wants_prompt_logprobs(chunk.req):
+        return []
+    last = len(chunk.req.prompt_ids) - 2  # the row before the last prompt token
+    first = max(chunk.req.logprob_start_len, 1) - 1
+    return list(range(max(first, chunk.start), min(last, chunk.end - 1) + 1))
+
+
+class LogitRows:
+    """Which logits rows a step computes: every chunk's last row plus prompt-logprob rows."""
+
+    def __init__(self, chunks: Sequence[Chunk]):
+        self.rows: list[int] = []
+        self.last: list[int] = []
+        self.prompt: list[list[tuple[int, int]]] = []  # per chunk: (position, index into rows)
+        offset = 0
+        for c in chunks:
+            wanted = []
+            for pos in prompt_logprob_rows(c):
+                wanted.append((pos, len(self.rows)))
+                self.rows.append(offset + pos - c.start)
+            self.prompt.append(wanted)
+            self.last.append(len(self.rows))
+            self.rows.append(offset + c.length - 1)
+            offset += c.length
+
+
+def log_softmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+def token_logprob_outputs(reqs: Sequence, logits: torch.Tensor, tokens: list[list[int]],
+                          row_offsets: list[int]) -> list[tuple[list[float], list | None] | None]:
+    """Logprobs of each request's new tokens; `logits` rows `row_offsets[b] + i` score
+    token i of request b. None for requests that did not ask."""
+    out = []
+    logprobs = None
+    for b, req in enumerate(reqs):
+        if not req.return_logprob or not tokens[b]:
+            out.append(None)
+            continue
+        if logprobs is None:
+            logprobs = log_softmax_rows(logits)
+        rows = logprobs[row_offsets[b]:row_offsets[b] + len(tokens[b])]
+        values = rows.gather(1, torch.tensor(tokens[b]).unsqueeze(1)).squeeze(1).tolist()
+        top = None
+        if req.top_logprobs_num > 0:
+            top_vals, top_ids = rows.topk(req.top_logprobs_num, dim=-1)
+            top = [list(zip(v, i)) for v, i in zip(top_vals.tolist(), top_ids.tolist())]
+        out.append((values, top))
+    return out
+
+
+def sample_rows(reqs: Sequence, logits: torch.Tensor, extra: Sequence[tuple[int, ...]] | None,
+                vocab_size: int, eos_ids: set[int], generator: torch.Generator | None) -> list[int]:
+    """One token per row (`reqs[i]` owns row i, with tentative `extra[i]` tokens appended)."""
+    extra = extra or [()] * len(reqs)
+    logits = adjust_logits(logits, [RowHistory(r, e) for r, e in zip(reqs, extra)], eos_ids)
     batch = SamplingBatch.from_params([r.sampling_params for r in reqs], vocab_size)
-    positions = torch.tensor([r.seq_len for r in reqs], dtype=torch.long)
+    positions = torch.tensor([r.seq_len + len(e) for r, e in zip(reqs, extra)], dtype=torch.long)
     return sample(logits, batch, positions, generator).tolist()
 
 
 class PlainWorker:
-    def __init__(self, target: ModelRunner, generator: torch.Generator | None = None):
-        self.target, self.generator = target, generator
+    supports_mixed = True
+
+    def __init__(self, target: ModelRunner, eos_ids: set[int], generator: torch.Generator | None = None):
+        self.target, self.eos_ids, self.generator = target, eos_ids, generator
         self.vocab_size = target.model_config.vocab_size
 
     def reserve_ahead(self) -> int:
         """Positions past `seq_len` a step may write (none: decode writes `seq_len - 1`)."""
         return 0
 
-    def extend(self, reqs: Sequence) -> list[list[int]]:
-        out: LogitsProcessorOutput = self.target.forward(extend_input(reqs))
-        return [[t] for t in sample_next(reqs, out.next_token_logits, self.vocab_size, self.generator)]
-
-    def decode(self, reqs: Sequence) -> list[list[int]]:
-        inp = ModelInput(
-            ForwardMode.DECODE,
-            input_ids=torch.tensor([r.output_ids[-1] for r in reqs], dtype=torch.long),
-            req_pool_indices=[r.req_pool_idx for r in reqs],
-            prefix_lens=[r.num_cached for r in reqs],
-            extend_lens=[1] * len(reqs))
+    def step(self, prefill: Sequence[Chunk], decode: Sequence) -> tuple[list[TokenOutput], list[TokenOutput]]:
+        chunks = list(prefill) + [Chunk(r, r.seq_len - 1, r.seq_len) for r in decode]
+        all_single = all(c.length == 1 for c in chunks) and not prefill
+        inp = chunk_input(chunks, ForwardMode.DECODE if all_single else ForwardMode.EXTEND)
+        rows = LogitRows(chunks)
+        inp.logits_row_indices = rows.rows
         logits = self.target.forward(inp).next_token_logits
-        return [[t] for t in sample_next(reqs, logits, self.vocab_size, self.generator)]
+        outputs = [TokenOutput() for _ in chunks]
+        sampling = [i for i, c in enumerate(chunks) if c.completes]
+        if sampling:
+            last = logits[[rows.last[i] for i in sampling]]
+            reqs = [chunks[i].req for i in sampling]
+            tokens = sample_rows(reqs, last, None, self.vocab_size, self.eos_ids, self.generator)
+            lp = token_logprob_outputs(reqs, last, [[t] for t in tokens], list(range(len(reqs))))
+            for i, token, logprob in zip(sampling, tokens, lp):
+                outputs[i].tokens = [token]
+                if logprob is not None:
+                    outputs[i].logprobs, outputs[i].top_logprobs = logprob
+        attach_prompt_logprobs(chunks, rows, logits, outputs)
+        return outputs[:len(prefill)], outputs[len(prefill):]
+
+
+def attach_prompt_logprobs(chunks: Sequence[Chunk], rows: LogitRows, logits: torch.Tensor,
+                           outputs: list[TokenOutput]) -> None:
+    """Prompt-token logprobs (and None for position 0) of the chunks that asked."""
+    for chunk, wanted, out in zip(chunks, rows.prompt, outputs):
+        req = chunk.req
+        if not wants_prompt_logprobs(req):
+            continue
+        entries: list[tuple[int, float | None]] = []
+        if req.logprob_start_len == 0 and chunk.start == 0:
+            entries.append((0, None))
+        if wanted:
+            lp = log_softmax_rows(logits[[i for _, i in wanted]])
+            targets = torch.tensor([req.prompt_ids[pos + 1] for pos, _ in wanted]).unsqueeze(1)
+            entries += [(pos + 1, v) for (pos, _), v in zip(wanted, lp.gather(1, targets).squeeze(1).tolist())]
+        out.input_logprobs = entries

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""`Req`: one generation request as the scheduler tracks it."""
+"""`Req`: one generation request as the scheduler tracks it, with its finish logic."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from runtime.engine.sampling_params import SamplingParams
+from runtime.scheduler.detokenizer import IncrementalDetokenizer
 
 
 @dataclass
@@ -32,15 +33,27 @@ class Req:
     rid: str
     prompt_ids: list[int]
     sampling_params: SamplingParams
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    logprob_start_len: int = -1  # first prompt position to return logprobs for; -1 = none
+    detokenizer: IncrementalDetokenizer | None = None
     output_ids: list[int] = field(default_factory=list)
     req_pool_idx: int | None = None
     num_cached: int = 0  # tokens of `all_ids` whose KV is in the cache
     finish_reason: FinishReason | None = None
     created_at: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
     finished_at: float | None = None
     num_retractions: int = 0
+    # text and stop-string state (with a detokenizer)
+    text: str = ""
+    # logprobs: (logprob, token id) per output token, top lists, prompt (position, logprob)
+    output_token_logprobs: list[tuple[float, int]] = field(default_factory=list)
+    output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+    input_token_logprobs: list[tuple[float | None, int]] = field(default_factory=list)
+    input_logprobs_done: bool = False
     # speculative decoding: next round's draft tokens and acceptance counters
-    draft_tokens: list[int] = field(default_factory=list)
+    draft_tokens: list[int] | None = None
     spec_verify_ct: int = 0
     spec_accept_hist: list[int] = field(default_factory=list)  # [m]: rounds that accepted m drafts
 
@@ -56,16 +69,66 @@ class Req:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    def check_finish(self, token: int, eos_ids: set[int]) -> bool:
-        """Finish checks for a just-appended `token`, in SGLang's order; sets the reason."""
+    @property
+    def is_decoding(self) -> bool:
+        """Everything but the newest token is cached: the next step is a decode step."""
+        return bool(self.output_ids) and self.num_cached == self.seq_len - 1
+
+    def finish(self, reason: FinishReason) -> None:
+        self.finish_reason = reason
+        self.finished_at = time.perf_counter()
+        stopped_by_string = reason.type == "stop" and isinstance(reason.matched, str)
+        if self.detokenizer is not None and not stopped_by_string:
+            self.detokenizer.flush()
+            self.text = self.detokenizer.text
+
+    def abort(self, message: str) -> None:
+        if not self.finished:
+            self.finish(FinishReason("abort", message=message))
+
+    def append_token(self, token: int, eos_ids: set[int]) -> bool:
+        """Add a generated token and run the finish checks in order (EOS, stop ids, stop
+        strings, then the length cap). Returns True when the request finished."""
+        self.output_ids.append(token)
+        if self.first_token_at is None:
+            self.first_token_at = time.perf_counter()
+        delta = ""
+        if self.detokenizer is not None:
+            delta = self.detokenizer.add(token)
+            self.text = self.detokenizer.text
         params, produced = self.sampling_params, len(self.output_ids)
         if produced >= params.min_new_tokens:
             if not params.ignore_eos and token in eos_ids:
-                self.finish_reason = FinishReason("stop", matched=token)
+                self.finish(FinishReason("stop", matched=token))
             elif params.stop_token_ids and token in params.stop_token_ids:
-                self.finish_reason = FinishReason("stop", matched=token)
-        if self.finish_reason is None and produced >= params.max_new_tokens:
-            self.finish_reason = FinishReason("length", length=produced)
-        if self.finish_reason is not None:
-            self.finished_at = time.perf_counter()
+                self.finish(FinishReason("stop", matched=token))
+            elif params.stop_strings and self.detokenizer is not None:
+                self._check_stop_strings(len(delta))
+        if not self.finished and produced >= params.max_new_tokens:
+            self.finish(FinishReason("length", length=produced))
         return self.finished
+
+    def _check_stop_strings(self, delta_len: int) -> None:
+        stops = self.sampling_params.stop_strings
+        longest = max(len(s) for s in stops)
+        start = max(0, len(self.text) - delta_len - longest + 1)
+        hits = [(self.text.find(s, start), s) for s in stops]
+        hits = [(i, s) for i, s in hits if i >= 0]
+        if not hits:
+            return
+        index, stop = min(hits)
+        keep = index + len(stop) if self.sampling_params.no_stop_trim else index
+        self.text = self.text[:keep]
+        self.finish(FinishReason("stop", matched=stop))
+
+    def visible_text(self) -> str:
+        """Text safe to stream: while running, a tail that could begin a stop string is held."""
+        if self.finished or not self.sampling_params.stop_strings:
+            return self.text
+        hold = 0
+        for stop in self.sampling_params.stop_strings:
+            for k in range(min(len(stop) - 1, len(self.text)), 0, -1):
+                if self.text.endswith(stop[:k]):
+                    hold = max(hold, k)
+                    break
+        return self.text[:len(self.text) - hold]

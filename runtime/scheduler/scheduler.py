@@ -1,12 +1,19 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The step loop: admit waiting requests, prefill them, decode everyone running.
+"""Continuous batching: admit, prefill in chunks, decode, retract, abort, finish.
 
-One `step()` runs one worker step: an EXTEND batch when new requests could be admitted,
-else a decode step of every running request (one token each, or one speculative round).
-When the token pages run out mid-decode, the most recently admitted request is retracted
-(its pages freed, its prompt + output so far re-queued for a later prefill), so the
-server keeps going instead of failing. Finish checks run per emitted token, in order, so
-nothing after a stop leaks out.
+Each `step()` runs one worker step over the running requests:
+
+* admission moves waiting requests in (FCFS) while request slots, `max_running_requests`
+  and token pages allow; a request's whole prompt is reserved when it is admitted.
+* prefill requests contribute chunks, together at most `chunked_prefill_size` tokens a
+  step; the chunk that reaches the end of the prompt samples the first token.
+* decoding requests contribute their newest token (or one speculative round). A worker
+  that `supports_mixed` runs chunks and decode rows in one forward; otherwise prefill
+  steps and decode steps alternate so neither starves.
+* when token pages run out for a decode, the most recently admitted request is retracted:
+  its pages are freed and it is re-queued to be recomputed from prompt + output so far.
+
+Finish checks run per emitted token, in order, so nothing after a stop leaks out.
 """
 
 from __future__ import annotations
@@ -15,89 +22,160 @@ import logging
 from collections import deque
 
 from runtime.cache.slot_table import SlotTable
+from runtime.scheduler.step_io import Chunk, TokenOutput
 from runtime.scheduler.request import FinishReason, Req
 
 logger = logging.getLogger(__name__)
 
 
 class Scheduler:
-    def __init__(self, worker, slot_table: SlotTable, eos_ids: set[int], max_running_requests: int):
+    def __init__(self, worker, slot_table: SlotTable, eos_ids: set[int], max_running_requests: int,
+                 chunked_prefill_size: int | None = None):
         self.worker, self.slot_table = worker, slot_table
         self.eos_ids = eos_ids
         self.max_running_requests = max_running_requests
+        self.chunk_budget = chunked_prefill_size if chunked_prefill_size and chunked_prefill_size > 0 else None
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
+        self._last_step_prefilled = False
+        self.num_retractions = 0
 
+    # queue --------------------------------------------------------------------------------
     def add_request(self, req: Req) -> None:
         self.waiting.append(req)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def abort(self, rid: str, message: str = "aborted by the client") -> Req | None:
+        """Stop a waiting or running request and free everything it holds."""
+        for req in list(self.waiting):
+            if req.rid == rid:
+                self.waiting.remove(req)
+                req.abort(message)
+                return req
+        for req in self.running:
+            if req.rid == rid:
+                self._release(req)
+                req.abort(message)
+                return req
+        return None
+
+    # one step -----------------------------------------------------------------------------
     def step(self) -> list[Req]:
-        """Run one worker step; returns the requests that finished in it."""
-        admitted = self._admit()
-        rejected = [r for r in admitted if r.finished]
-        admitted = [r for r in admitted if not r.finished]
-        if admitted:
-            new_tokens = self.worker.extend(admitted)
-            self.running.extend(admitted)
-            return rejected + self._commit(admitted, new_tokens)
-        if self.running:
-            self._reserve_or_retract()
-            return rejected + self._commit(self.running, self.worker.decode(self.running))
-        return rejected
+        """Run one worker step; returns the requests that got tokens or finished in it."""
+        touched = self._admit()
+        touched += self._ensure_decode_slots()
+        prefill = self._plan_prefill()
+        decode = [r for r in self.running if r.is_decoding]
+        if prefill and decode and not self.worker.supports_mixed:
+            if self._last_step_prefilled:
+                prefill = []
+            else:
+                decode = []
+        if not prefill and not decode:
+            return touched
+        self._last_step_prefilled = bool(prefill)
+        prefill_out, decode_out = self.worker.step(prefill, decode)
+        return touched + self._commit_prefill(prefill, prefill_out) + self._commit_decode(decode, decode_out)
 
     def _needed(self, req: Req) -> int:
         return req.seq_len + self.worker.reserve_ahead()
 
-    # admission ----------------------------------------------------------------------------
     def _admit(self) -> list[Req]:
-        admitted: list[Req] = []
-        while self.waiting and len(self.running) + len(admitted) < self.max_running_requests:
+        rejected: list[Req] = []
+        while self.waiting and len(self.running) < self.max_running_requests:
             req = self.waiting[0]
             idx = self.slot_table.open_request()
             if idx is None:
                 break
-            if not self.slot_table.reserve(idx, self._needed(req)):
+            # keep a page of headroom per running request so they can keep decoding
+            headroom = len(self.running) * self.slot_table.page_size
+            fits = (self.slot_table.allocator.available_tokens() >= self._needed(req) + headroom
+                    or not self.running)
+            if not fits or not self.slot_table.reserve(idx, self._needed(req)):
                 self.slot_table.release(idx)
-                if not self.running and not admitted:
+                if not self.running:
                     self.waiting.popleft()
-                    req.finish_reason = FinishReason(
-                        "abort", message=f"the request needs {self._needed(req)} tokens of KV cache "
-                        f"but the pool holds {self.slot_table.allocator.capacity_tokens}; raise "
-                        "--max-total-tokens or shorten the prompt")
-                    admitted.append(req)
+                    req.finish(FinishReason(
+                        "abort", message=f"the request needs {self._needed(req)} tokens of KV cache but "
+                        f"the pool holds {self.slot_table.allocator.capacity_tokens}; raise "
+                        "--max-total-tokens or shorten the prompt"))
+                    rejected.append(req)
+                    continue
                 break
             self.waiting.popleft()
             req.req_pool_idx, req.num_cached = idx, 0
-            admitted.append(req)
-        return admitted
+            self.running.append(req)
+        return rejected
 
-    def _reserve_or_retract(self) -> None:
-        """Every running request needs slots for its next step; retract newest first."""
-        while self.running:
-            if all(self.slot_table.reserve(r.req_pool_idx, self._needed(r)) for r in self.running):
-                return
-            victim = self.running.pop()
-            self.slot_table.release(victim.req_pool_idx)
-            victim.req_pool_idx, victim.num_cached = None, 0
+    def _plan_prefill(self) -> list[Chunk]:
+        budget = self.chunk_budget
+        chunks = []
+        for req in self.running:
+            if req.is_decoding:
+                continue
+            remaining = req.seq_len - req.num_cached
+            size = remaining if budget is None else min(remaining, budget)
+            if size <= 0:
+                break
+            chunks.append(Chunk(req, req.num_cached, req.num_cached + size))
+            if budget is not None:
+                budget -= size
+        return chunks
+
+    def _ensure_decode_slots(self) -> list[Req]:
+        """Every decoding request needs slots for its next step: retract the newest
+        requests until they fit (a lone request that cannot fit is aborted)."""
+        while True:
+            decode = [r for r in self.running if r.is_decoding]
+            if all(self.slot_table.reserve(r.req_pool_idx, self._needed(r)) for r in decode):
+                return []
+            victim = self.running[-1]
+            self._release(victim)
+            if not self.running:
+                victim.abort("out of KV cache: this request alone needs more tokens than the pool "
+                             "holds; raise --max-total-tokens or lower max_new_tokens")
+                return [victim]
+            victim.num_cached, victim.draft_tokens = 0, None
             victim.num_retractions += 1
+            self.num_retractions += 1
             self.waiting.appendleft(victim)
             logger.info("retracted request %s (%d tokens) to free KV cache", victim.rid, victim.seq_len)
 
+    def _release(self, req: Req) -> None:
+        self.running.remove(req)
+        self.slot_table.release(req.req_pool_idx)
+        req.req_pool_idx = None
+
     # results ------------------------------------------------------------------------------
-    def _commit(self, reqs: list[Req], new_tokens: list[list[int]]) -> list[Req]:
-        finished = []
-        for req, tokens in zip(reqs, new_tokens):
-            for token in tokens:
-                req.output_ids.append(token)
-                if req.check_finish(token, self.eos_ids):
-                    finished.append(req)
-                    break
-            req.num_cached = req.seq_len - 1  # the newest token is not in the cache yet
-        for req in finished:
-            self.running.remove(req)
-            self.slot_table.release(req.req_pool_idx)
-            req.req_pool_idx = None
-        return finished
+    def _commit_prefill(self, chunks: list[Chunk], outputs: list[TokenOutput]) -> list[Req]:
+        touched = []
+        for chunk, out in zip(chunks, outputs):
+            req = chunk.req
+            if out.input_logprobs:
+                req.input_token_logprobs += [(lp, req.prompt_ids[pos]) for pos, lp in out.input_logprobs]
+            req.num_cached = chunk.end
+            if chunk.end >= len(req.prompt_ids):
+                req.input_logprobs_done = True
+            if out.tokens:
+                self._append(req, out)
+                touched.append(req)
+        return touched
+
+    def _commit_decode(self, reqs: list[Req], outputs: list[TokenOutput]) -> list[Req]:
+        for req, out in zip(reqs, outputs):
+            self._append(req, out)
+        return list(reqs)
+
+    def _append(self, req: Req, out: TokenOutput) -> None:
+        for i, token in enumerate(out.tokens):
+            if out.logprobs is not None:
+                req.output_token_logprobs.append((out.logprobs[i], token))
+                if out.top_logprobs is not None:
+                    req.output_top_logprobs.append(out.top_logprobs[i])
+            if req.append_token(token, self.eos_ids):
+                break
+        req.num_cached = req.seq_len - 1  # the newest token is not in the cache yet
+        if req.finished:
+            self._release(req)

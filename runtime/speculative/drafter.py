@@ -24,28 +24,38 @@ class MTPDrafter:
         self.runner, self.num_steps = draft, num_steps
 
     def draft(self, reqs: Sequence, prefix_lens: list[int], extend_lens: list[int],
-              next_tokens: torch.Tensor, target_hidden: torch.Tensor,
-              gather_rows: Sequence[int]) -> list[list[int]]:
+              next_tokens: torch.Tensor, target_hidden: torch.Tensor, gather_rows: Sequence[int],
+              propose: Sequence[bool] | None = None) -> list[list[int] | None]:
         """Request b's rows sit at positions `prefix_lens[b] ..` (`extend_lens[b]` of them);
         `next_tokens [T]` is the token after each row, `target_hidden [T, D]` the target's
         captured state of each row, `gather_rows[b]` the row to draft from (its successor is
-        the newest committed token). Returns `num_steps` draft tokens per request."""
-        req_pool_indices = [r.req_pool_idx for r in reqs]
+        the newest committed token). Returns `num_steps` draft tokens per request, or None
+        where `propose[b]` is False (a prefill chunk that only fills the draft's cache)."""
+        propose = [True] * len(reqs) if propose is None else list(propose)
         starts = torch.tensor(extend_lens).cumsum(0) - torch.tensor(extend_lens)
         rows = (starts + torch.tensor(list(gather_rows))).tolist()
         out = self.runner.forward(ModelInput(
-            ForwardMode.DRAFT_EXTEND, next_tokens, req_pool_indices, prefix_lens, extend_lens,
-            capture_hidden_mode=CaptureHiddenMode.LAST, captured_hidden_states=target_hidden,
-            logits_row_indices=rows))
-        tokens = out.next_token_logits.argmax(-1)
+            ForwardMode.DRAFT_EXTEND, next_tokens, [r.req_pool_idx for r in reqs], prefix_lens,
+            extend_lens, capture_hidden_mode=CaptureHiddenMode.LAST,
+            captured_hidden_states=target_hidden, logits_row_indices=rows))
+        keep = [b for b, p in enumerate(propose) if p]
+        if not keep:
+            return [None] * len(reqs)
+        tokens = out.next_token_logits[keep].argmax(-1)
+        hidden = out.hidden_states[keep]
+        pools = [reqs[b].req_pool_idx for b in keep]
+        positions = [prefix_lens[b] + gather_rows[b] + 1 for b in keep]
         drafts = [tokens]
-        positions = [p + g + 1 for p, g in zip(prefix_lens, gather_rows)]
         for step in range(1, self.num_steps):
             out = self.runner.forward(ModelInput(
-                ForwardMode.DECODE, tokens, req_pool_indices, positions, [1] * len(positions),
-                capture_hidden_mode=CaptureHiddenMode.LAST, captured_hidden_states=out.hidden_states,
+                ForwardMode.DECODE, tokens, pools, positions, [1] * len(keep),
+                capture_hidden_mode=CaptureHiddenMode.LAST, captured_hidden_states=hidden,
                 spec_step_idx=step))
-            tokens = out.next_token_logits.argmax(-1)
+            tokens, hidden = out.next_token_logits.argmax(-1), out.hidden_states
             drafts.append(tokens)
             positions = [p + 1 for p in positions]
-        return torch.stack(drafts, dim=1).tolist()
+        proposals = torch.stack(drafts, dim=1).tolist()
+        result: list[list[int] | None] = [None] * len(reqs)
+        for b, proposal in zip(keep, proposals):
+            result[b] = proposal
+        return result

@@ -1,13 +1,14 @@
 # SPDX-License-Identifier: Apache-2.0
-"""`NextNWorker`: one NEXTN round per decode step (DESIGN.md section 3).
+"""`NextNWorker`: NEXTN speculative decoding (DESIGN.md section 3).
 
-    extend:  target prefill (capture hidden) -> sample t -> draft extend -> drafts d1..dS
-    decode:  target verify [t, d1..dS] -> accept m drafts + one token -> draft extend over
-             the verified rows -> next drafts
+    prefill chunk: target extend (capture hidden) -> [sample t] -> draft extend -> [d1..dS]
+    decode round:  target verify [t, d1..dS] -> accept m drafts + one token -> draft extend
+                   over the verified rows -> next drafts
 
 Caches need no explicit rollback: every cache row is keyed by position, verify and draft
 only write positions at or after the committed length, and the next round rewrites the
 rejected positions before anything reads them (rings are sized for one extra pass).
+Prefill chunks and verify rounds run in separate steps (`supports_mixed = False`).
 """
 
 from __future__ import annotations
@@ -20,8 +21,16 @@ import torch
 from runtime.configs.speculative import SpeculativeConfig
 from runtime.execution.forward_mode import CaptureHiddenMode, ForwardMode
 from runtime.execution.model_runner import ModelInput, ModelRunner
+from runtime.execution.penalties import RowHistory, adjust_logits
 from runtime.execution.sampler import SamplingBatch
-from runtime.execution.worker import extend_input, sample_next
+from runtime.execution.worker import (
+    LogitRows,
+    attach_prompt_logprobs,
+    chunk_input,
+    sample_rows,
+    token_logprob_outputs,
+)
+from runtime.scheduler.step_io import Chunk, TokenOutput
 from runtime.speculative.acceptance import verify
 
 
@@ -53,9 +62,12 @@ class SpecStats:
 
 
 class NextNWorker:
-    def __init__(self, target: ModelRunner, drafter, spec: SpeculativeConfig,
+    supports_mixed = False
+
+    def __init__(self, target: ModelRunner, drafter, spec: SpeculativeConfig, eos_ids: set[int],
                  generator: torch.Generator | None = None):
-        self.target, self.drafter, self.spec, self.generator = target, drafter, spec, generator
+        self.target, self.drafter, self.spec = target, drafter, spec
+        self.eos_ids, self.generator = eos_ids, generator
         self.vocab_size = target.model_config.vocab_size
         self.stats = SpecStats(spec.num_steps)
 
@@ -63,32 +75,54 @@ class NextNWorker:
         """Verify writes up to `seq_len - 1 + S`, draft steps up to `seq_len + 2S - 2`."""
         return 2 * self.spec.num_steps
 
-    def extend(self, reqs: Sequence) -> list[list[int]]:
-        inp = extend_input(reqs, CaptureHiddenMode.FULL)
-        out = self.target.forward(inp)
-        first = sample_next(reqs, out.next_token_logits, self.vocab_size, self.generator)
-        # draft row at position p reads the token at p + 1; the last row reads the new token
-        shifted = [t for r, f in zip(reqs, first) for t in r.all_ids[r.num_cached + 1:] + [f]]
-        drafts = self.drafter.draft(reqs, inp.prefix_lens, inp.extend_lens,
-                                    torch.tensor(shifted, dtype=torch.long), out.hidden_states,
-                                    [n - 1 for n in inp.extend_lens])
-        for r, d in zip(reqs, drafts):
-            r.draft_tokens = d
-        return [[f] for f in first]
+    def step(self, prefill: Sequence[Chunk], decode: Sequence) -> tuple[list[TokenOutput], list[TokenOutput]]:
+        if prefill and decode:
+            raise ValueError("NEXTN runs prefill chunks and verify rounds in separate steps")
+        return (self._prefill(prefill), []) if prefill else ([], self._verify(decode))
 
-    def decode(self, reqs: Sequence) -> list[list[int]]:
+    def _prefill(self, chunks: Sequence[Chunk]) -> list[TokenOutput]:
+        inp = chunk_input(chunks, ForwardMode.EXTEND, CaptureHiddenMode.FULL)
+        rows = LogitRows(chunks)
+        inp.logits_row_indices = rows.rows
+        out = self.target.forward(inp)
+        outputs = [TokenOutput() for _ in chunks]
+        sampling = [i for i, c in enumerate(chunks) if c.completes]
+        if sampling:
+            last = out.next_token_logits[[rows.last[i] for i in sampling]]
+            reqs = [chunks[i].req for i in sampling]
+            tokens = sample_rows(reqs, last, None, self.vocab_size, self.eos_ids, self.generator)
+            lp = token_logprob_outputs(reqs, last, [[t] for t in tokens], list(range(len(reqs))))
+            for i, token, logprob in zip(sampling, tokens, lp):
+                outputs[i].tokens = [token]
+                if logprob is not None:
+                    outputs[i].logprobs, outputs[i].top_logprobs = logprob
+        attach_prompt_logprobs(chunks, rows, out.next_token_logits, outputs)
+        # draft row at position p reads the token at p + 1 (the new token after the prompt)
+        following = [t for c, o in zip(chunks, outputs)
+                     for t in c.req.all_ids[c.start + 1:c.end] + (o.tokens or [c.req.all_ids[c.end]])]
+        drafts = self.drafter.draft([c.req for c in chunks], inp.prefix_lens, inp.extend_lens,
+                                    torch.tensor(following, dtype=torch.long), out.hidden_states,
+                                    [c.length - 1 for c in chunks], [c.completes for c in chunks])
+        for c, d in zip(chunks, drafts):
+            if d is not None:
+                c.req.draft_tokens = d
+        return outputs
+
+    def _verify(self, reqs: Sequence) -> list[TokenOutput]:
         steps = self.spec.num_steps
         width = steps + 1
         drafts = torch.tensor([r.draft_tokens for r in reqs], dtype=torch.long)
         committed = [r.num_cached for r in reqs]
         last = torch.tensor([r.output_ids[-1] for r in reqs], dtype=torch.long)
         ids = torch.cat([last.unsqueeze(1), drafts], dim=1).flatten()  # [t_last, d1..dS] per request
-        pools = [r.req_pool_idx for r in reqs]
         out = self.target.forward(ModelInput(
-            ForwardMode.TARGET_VERIFY, ids, pools, committed, [width] * len(reqs),
+            ForwardMode.TARGET_VERIFY, ids, [r.req_pool_idx for r in reqs], committed, [width] * len(reqs),
             capture_hidden_mode=CaptureHiddenMode.FULL, logits_row_indices=None))
+        # row j of request b sees the history plain decoding would have there: drafts d1..dj
+        histories = [RowHistory(r, tuple(d[:j])) for r, d in zip(reqs, drafts.tolist()) for j in range(width)]
+        logits = adjust_logits(out.next_token_logits, histories, self.eos_ids)
         sampling = SamplingBatch.from_params([r.sampling_params for r in reqs], self.vocab_size)
-        result = verify(out.next_token_logits, drafts, sampling, torch.tensor(committed), self.generator)
+        result = verify(logits, drafts, sampling, torch.tensor(committed), self.generator)
         num_accepted = result.num_accepted.tolist()
         self.stats.record(num_accepted)
 
@@ -97,10 +131,15 @@ class NextNWorker:
         following[torch.arange(len(reqs)), result.num_accepted] = result.final_tokens
         new_drafts = self.drafter.draft(reqs, committed, [width] * len(reqs), following.flatten(),
                                         out.hidden_states, num_accepted)
-        for r, d, m in zip(reqs, new_drafts, num_accepted):
+        tokens = result.tokens(drafts)
+        logprobs = token_logprob_outputs(reqs, out.next_token_logits, tokens,
+                                         [b * width for b in range(len(reqs))])
+        outputs = []
+        for r, d, m, toks, lp in zip(reqs, new_drafts, num_accepted, tokens, logprobs):
             r.draft_tokens = d
             r.spec_verify_ct += 1
             if not r.spec_accept_hist:
                 r.spec_accept_hist = [0] * width
             r.spec_accept_hist[m] += 1
-        return result.tokens(drafts)
+            outputs.append(TokenOutput(toks, *(lp if lp is not None else (None, None))))
+        return outputs

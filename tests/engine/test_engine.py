@@ -69,8 +69,8 @@ def test_eos_stops_unless_ignored(tiny_v4):
     ids = prompts(1, seed=3)[0]
     engine = Engine(model_path=str(tiny_v4[0]), dtype="float32")
     free = engine.generate(input_ids=ids, sampling_params=GREEDY)["output_ids"]
-    engine.model_config.eos_token_ids.clear()
-    engine.scheduler.eos_ids = {free[3]}
+    engine.eos_ids.clear()
+    engine.eos_ids.add(free[3])
     out = engine.generate(input_ids=ids, sampling_params={**GREEDY, "ignore_eos": False})
     assert out["output_ids"] == free[:free.index(free[3]) + 1]
     assert engine.generate(input_ids=ids, sampling_params=GREEDY)["output_ids"] == free

@@ -38,9 +38,14 @@ class OracleDrafter:
     def committed(self, req, prefix, next_tokens, gather_row):
         return req.all_ids[:prefix + 1] + next_tokens[:gather_row + 1]
 
-    def draft(self, reqs, prefix_lens, extend_lens, next_tokens, target_hidden, gather_rows):
+    def draft(self, reqs, prefix_lens, extend_lens, next_tokens, target_hidden, gather_rows, propose=None):
         out, start = [], 0
-        for req, prefix, n, g in zip(reqs, prefix_lens, extend_lens, gather_rows):
+        propose = propose or [True] * len(reqs)
+        for req, prefix, n, g, wanted in zip(reqs, prefix_lens, extend_lens, gather_rows, propose):
+            if not wanted:
+                out.append(None)
+                start += n
+                continue
             seq = self.committed(req, prefix, next_tokens[start:start + n].tolist(), g)
             reference = self.references[tuple(req.prompt_ids)]
             proposal = (reference[len(seq):] + [0] * self.steps)[:self.steps]
@@ -51,7 +56,7 @@ class OracleDrafter:
 
 
 class GarbageDrafter(OracleDrafter):
-    def draft(self, reqs, *args):
+    def draft(self, reqs, *args, propose=None):
         return [[self.rng.randrange(self.vocab) for _ in range(self.steps)] for _ in reqs]
 
 

@@ -13,6 +13,7 @@ from runtime import Engine
 from runtime.engine.sampling_params import SamplingParams
 from runtime.execution.sampler import SamplingBatch, target_probs
 from runtime.scheduler.request import Req
+from runtime.scheduler.step_io import Chunk
 from runtime.speculative import nextn_worker
 from runtime.speculative.acceptance import VerifyResult
 from tests.engine.test_nextn import OracleDrafter, make_prompts
@@ -129,7 +130,7 @@ def fresh_prefill_rows(engine, tokens: list[int]) -> dict[str, torch.Tensor]:
     req = Req("ref", list(tokens), SamplingParams(temperature=0))
     req.req_pool_idx = engine.slot_table.open_request()
     engine.slot_table.reserve(req.req_pool_idx, len(tokens) + engine.worker.reserve_ahead())
-    engine.worker.extend([req])
+    engine.worker.step([Chunk(req, 0, len(tokens))], [])
     rows = live_rows(engine, req.req_pool_idx, len(tokens))
     engine.slot_table.release(req.req_pool_idx)
     return rows
@@ -142,9 +143,9 @@ class MTPThenOracle:
     def __init__(self, mtp, oracle):
         self.mtp, self.oracle, self.runner = mtp, oracle, mtp.runner
 
-    def draft(self, *args):
-        self.mtp.draft(*args)
-        return self.oracle.draft(*args)
+    def draft(self, *args, **kwargs):
+        self.mtp.draft(*args, **kwargs)
+        return self.oracle.draft(*args, **kwargs)
 
 
 @pytest.mark.parametrize("steps", [2, 3])

@@ -1,0 +1,32 @@
+# SPDX-License-Identifier: Apache-2.0
+"""What the scheduler hands a worker for one step, and what comes back (no tensors)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class TokenOutput:
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] | None = None  # of each new token (raw model distribution)
+    top_logprobs: list[list[tuple[float, int]]] | None = None
+    input_logprobs: list[tuple[int, float | None]] | None = None  # (prompt position, logprob)
+
+
+@dataclass
+class Chunk:
+    """One request's share of a step: tokens `all_ids[start:end]`."""
+
+    req: object
+    start: int
+    end: int
+
+    @property
+    def length(self) -> int:
+        return self.end - self.start
+
+    @property
+    def completes(self) -> bool:
+        """Reaches the newest token, so the step samples what follows."""
+        return self.end == self.req.seq_len
