@@ -183,3 +183,26 @@ def build_tiny_v4_mtp_checkpoint(path: Path, seed: int = 0, num_shards: int = 1,
     extra, mtp_model = mtp_state(config, seed)
     state.update(extra)
     return save_released_checkpoint(path, config, state, num_shards), target, mtp_model
+
+
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def save_char_tokenizer(path: Path, vocab_size: int) -> None:
+    """A character-level tokenizer the size of the tiny vocabulary: ids 0-2 are
+    <bos>/<eos>/<pad>, then one id per character; saved for `AutoTokenizer`."""
+    import string
+
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = (" " + string.ascii_letters + string.digits + "!\"#$%&'()*+,-./:;<=>?@[\\]^_{|}~")[:vocab_size - 3]
+    vocab = {"<bos>": 0, "<eos>": 1, "<pad>": 2, **{c: i + 3 for i, c in enumerate(chars)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>",
+                                   pad_token="<pad>", unk_token="<pad>")
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(str(path))

@@ -249,6 +249,8 @@ class Engine:
                 "num_running_reqs": len(self.scheduler.running),
                 "num_waiting_reqs": len(self.scheduler.waiting),
                 "num_retractions": self.scheduler.num_retractions,
+                "available_tokens": self.slot_table.allocator.available_tokens(),
+                "available_request_slots": self.slot_table.req_pool.available(),
                 "token_usage": 1 - self.slot_table.allocator.available_tokens()
                 / max(1, self.slot_table.allocator.capacity_tokens),
             }],

@@ -1,0 +1,56 @@
+# SPDX-License-Identifier: Apache-2.0
+"""`launch_server` / `python -m runtime.launch_server`: parse flags, load, serve over HTTP."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+from runtime.server_args import ServerArgs
+
+logger = logging.getLogger("runtime.launch_server")
+
+
+def build(args: ServerArgs):
+    """Engine, its loop thread, metrics and the app for resolved `args`."""
+    from runtime.engine.async_engine import AsyncEngine
+    from runtime.engine.engine import Engine
+    from runtime.server.app import create_app
+
+    engine = Engine(**args.engine_kwargs(), progress=True)
+    metrics = None
+    if args.enable_metrics:
+        from runtime.server.metrics import ServerMetrics
+
+        metrics = ServerMetrics(args.served_model_name or engine.model_path)
+    async_engine = AsyncEngine(engine, on_step=metrics.observe_step if metrics else None)
+    return create_app(async_engine, args, metrics), engine
+
+
+def main(argv: list[str] | None = None) -> None:
+    try:
+        args = ServerArgs.from_cli(argv)
+    except ValueError as err:  # bad flags fail here, before any weight is read
+        print(f"launch_server: error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="[%(asctime)s] %(levelname)s %(name)s: %(message)s")
+    try:
+        app, engine = build(args)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"launch_server: error: {err}", file=sys.stderr)
+        raise SystemExit(1) from None
+    cap = engine.capacity
+    print(f"KV cache capacity: {cap['max_total_tokens']} tokens (page size {cap['page_size']}), "
+          f"{cap['max_running_requests']} request slots, {cap['kv_cache_bytes'] / 2**20:.1f} MiB", flush=True)
+    spec = engine.spec_config
+    print("speculative decoding: " + (f"{spec.algorithm}, steps {spec.num_steps}, topk {spec.eagle_topk}, "
+                                      f"draft tokens {spec.num_draft_tokens}" if spec else "off"), flush=True)
+    import uvicorn
+
+    print(f"serving {args.served_model_name or engine.model_path} on http://{args.host}:{args.port}", flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower())
+
+
+if __name__ == "__main__":
+    main()

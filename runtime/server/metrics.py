@@ -1,0 +1,72 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Prometheus metrics (SGLang's `sglang:` names), fed by the engine loop after every step."""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str):
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+        self.model_name = model_name
+
+        def counter(name, doc):
+            return Counter(f"sglang:{name}", doc, labels, registry=self.registry).labels(model_name)
+
+        def gauge(name, doc):
+            return Gauge(f"sglang:{name}", doc, labels, registry=self.registry).labels(model_name)
+
+        def histogram(name, doc):
+            return Histogram(f"sglang:{name}", doc, labels, buckets=_LATENCY_BUCKETS,
+                             registry=self.registry).labels(model_name)
+
+        self.requests = counter("num_requests", "Finished requests")
+        self.aborted = counter("num_aborted_requests", "Requests that ended aborted")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests")
+        self.generation_tokens = counter("generation_tokens", "Generated tokens")
+        self.ttft = histogram("time_to_first_token_seconds", "Time to first token")
+        self.itl = histogram("inter_token_latency_seconds", "Time between generated tokens")
+        self.e2e = histogram("e2e_request_latency_seconds", "End-to-end request latency")
+        self.running = gauge("num_running_reqs", "Running requests")
+        self.waiting = gauge("num_queue_reqs", "Waiting requests")
+        self.token_usage = gauge("token_usage", "Fraction of KV cache token slots in use")
+        self.accept_length = gauge("spec_accept_length", "Average speculative accept length")
+        self.throughput = gauge("gen_throughput", "Generated tokens per second in the last step")
+        self._seen: dict[str, tuple[int, float]] = {}  # rid -> (tokens counted, time of last token)
+
+    def observe_step(self, engine, touched, seconds: float) -> None:
+        now = time.perf_counter()
+        new_tokens = 0
+        for req in touched:
+            counted, last = self._seen.get(req.rid, (0, req.created_at))
+            fresh = len(req.output_ids) - counted
+            if fresh > 0:
+                if counted == 0 and req.first_token_at is not None:
+                    self.ttft.observe(req.first_token_at - req.created_at)
+                else:
+                    for _ in range(fresh):  # a speculative round spreads its gap over its tokens
+                        self.itl.observe((now - last) / fresh)
+                self.generation_tokens.inc(fresh)
+                new_tokens += fresh
+            self._seen[req.rid] = (len(req.output_ids), now)
+            if req.finished:
+                self._seen.pop(req.rid, None)
+                self.requests.inc()
+                self.prompt_tokens.inc(len(req.prompt_ids))
+                self.e2e.observe((req.finished_at or now) - req.created_at)
+                if req.finish_reason.type == "abort":
+                    self.aborted.inc()
+        info = engine.server_info()["internal_states"][0]
+        self.running.set(info["num_running_reqs"])
+        self.waiting.set(info["num_waiting_reqs"])
+        self.token_usage.set(info["token_usage"])
+        if info["avg_spec_accept_length"] is not None:
+            self.accept_length.set(info["avg_spec_accept_length"])
+        if seconds > 0:
+            self.throughput.set(new_tokens / seconds)
