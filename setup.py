@@ -19,6 +19,10 @@ setup(
         "safetensors>=0.5",
         "tqdm>=4.66",
         "numpy>=1.26",
+        "fastapi>=0.110",
+        "uvicorn>=0.29",
+        "prometheus-client>=0.20",
+        "pydantic>=2",
     ],
     extras_require={
         "test": [
@@ -26,6 +30,8 @@ setup(
             "transformers==5.23.0",
             "pytest>=8",
             "scipy>=1.11",
+            "openai>=1.30",
+            "requests>=2.31",
         ],
     },
     entry_points={"console_scripts": ["launch_server=runtime.launch_server:main"]},
