@@ -206,3 +206,94 @@ def save_char_tokenizer(path: Path, vocab_size: int) -> None:
                                    pad_token="<pad>", unk_token="<pad>")
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(str(path))
+
+
+# ---------------------------------------------------------------------------------------
+# Qwen4Exp
+
+def tiny_qwen4_exp_config(**overrides) -> dict:
+    config = {
+        "architectures": ["Qwen4ExpForCausalLM"],
+        "model_type": "qwen4_exp_text",
+        "vocab_size": 128,
+        "hidden_size": 64,
+        "num_hidden_layers": 4,
+        "layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "hidden_act": "silu",
+        "output_gate_type": "sigmoid",
+        "rms_norm_eps": 1e-6,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16,
+        "linear_conv_kernel_dim": 4,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 32,
+        "norm_topk_prob": True,
+        "hc_count": 4,
+        "hc_lowrank": 8,
+        "indexer_n_heads": 8,
+        "indexer_kv_heads": 1,
+        "indexer_head_dim": 16,
+        "indexer_budget": 16,
+        "indexer_compress_ratio": 4,
+        "ple_layer_ids": [2],
+        "ple_embed_dim": 64,
+        "ple_conv_kernel_size": 4,
+        "ngram_size": 3,
+        "heads_per_ngram": 8,
+        "ngram_vocab_size_base": 1000,
+        "make_ngram_vocab_size_divisible_by": 128,
+        "split_ngram_parts": 1,
+        "max_position_embeddings": 1024,
+        "tie_word_embeddings": False,
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+        "mtp_num_hidden_layers": 1,
+        "torch_dtype": "float32",
+    }
+    config.update(overrides)
+    return config
+
+
+def _randomise_qwen_(model: torch.nn.Module, generator: torch.Generator) -> None:
+    for name, tensor in list(model.named_parameters()):
+        noise = torch.randn(tensor.shape, generator=generator)
+        if "norm" in name and name.endswith("weight") and "linear_attn.norm" not in name:
+            value = 0.1 * noise  # (1 + w) norms
+        elif "linear_attn.norm" in name:
+            value = 1.0 + 0.1 * noise
+        elif name.endswith("A_log"):
+            value = torch.rand(tensor.shape, generator=generator).mul(3).add(0.01).log()
+        elif name.endswith("dt_bias"):
+            value = 0.5 * noise
+        elif "ngram_embedding" in name or name.endswith("embed_tokens.weight"):
+            value = noise
+        else:
+            value = noise / tensor.shape[-1] ** 0.5
+        tensor.data.copy_(value)
+
+
+def make_hf_qwen4_exp_model(config: dict, seed: int = 0):
+    from transformers import Qwen4ExpForCausalLM, Qwen4ExpTextConfig
+
+    hf_config = Qwen4ExpTextConfig(**{k: v for k, v in config.items()
+                                      if k not in ("architectures", "model_type", "mtp_num_hidden_layers")})
+    torch.manual_seed(seed)
+    model = Qwen4ExpForCausalLM(hf_config).float().eval()
+    _randomise_qwen_(model, torch.Generator().manual_seed(seed))
+    return model
+
+
+def build_tiny_qwen4_exp_checkpoint(path: Path, seed: int = 0, **overrides):
+    """transformers-named Qwen4Exp text checkpoint; returns (path, the transformers model)."""
+    config = tiny_qwen4_exp_config(**overrides)
+    model = make_hf_qwen4_exp_model(config, seed)
+    state = {k: v.clone().contiguous() for k, v in model.state_dict().items()}
+    return save_released_checkpoint(path, config, state), model

@@ -98,6 +98,9 @@ class DeepseekV4KVPool:
         page, offset = block_first_slot // self.page_size, block_first_slot % self.page_size
         return page * self.compressed_rows_per_page(ratio) + offset // ratio
 
+    def commit_verified(self, req_pool_indices, num_accepted) -> None:
+        """Nothing to do: every V4 cache row is keyed by position (see the module docstring)."""
+
     # reporting ----------------------------------------------------------------------------
     def nbytes(self) -> int:
         buffers = [*self.swa_kv, *self.compressor_state.values(), *self.compressed_kv.values(),

@@ -49,7 +49,8 @@ class ModelRunner:
         self.kv_pool = self.model.create_cache_pool(
             model_config.hf_config, max_reqs=slot_table.req_pool.max_reqs,
             num_pages=slot_table.allocator.num_pages, page_size=slot_table.page_size,
-            max_tokens_per_pass=max_tokens_per_pass, dtype=model_config.dtype, device=device)
+            max_tokens_per_pass=max_tokens_per_pass, dtype=model_config.dtype, device=device,
+            max_context=slot_table.req_pool.max_context_len)
         logger.info("%s", self.kv_pool.describe())
 
     def build_context(self, inp: ModelInput) -> ForwardContext:

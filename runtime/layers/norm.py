@@ -43,3 +43,47 @@ class WeightlessRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + self.eps).to(x.dtype)
+
+
+class OffsetRMSNorm(nn.Module):
+    """Zero-centred RMSNorm: `rms_normalize(x) * (1 + weight)` (Gemma / Qwen3.5 convention).
+
+    With `group_size`, statistics are taken per group of that many channels (one group per
+    hyper-connection stream) while the weight stays per channel.
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, group_size: int | None = None, params_dtype=None):
+        super().__init__()
+        if group_size is not None and hidden_size % group_size:
+            raise ValueError(f"{hidden_size} channels do not split into groups of {group_size}")
+        self.eps, self.group_size = eps, group_size
+        self.weight = make_param((hidden_size,), params_dtype)
+        nn.init.zeros_(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.group_size is None:
+            normed = rms_normalize(x, self.eps)
+        else:
+            normed = rms_normalize(x.unflatten(-1, (-1, self.group_size)), self.eps).flatten(-2)
+        return (normed * (1.0 + self.weight.float())).to(x.dtype)
+
+
+class GatedRMSNorm(nn.Module):
+    """`(weight * rms_normalize(x)) * act(gate)` with a ones-centred weight (the Gated DeltaNet
+    output norm); the normalised x is cast to the input dtype before the weight, as in
+    transformers' Qwen3.5 `RMSNormGated`."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, activation: str = "silu", params_dtype=None):
+        super().__init__()
+        if activation not in ("silu", "sigmoid"):
+            raise ValueError(f"unsupported gated-norm activation {activation!r}; use silu or sigmoid")
+        self.eps, self.activation = eps, activation
+        self.weight = make_param((hidden_size,), params_dtype)
+        nn.init.ones_(self.weight)
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        normed = self.weight * rms_normalize(x, self.eps).to(dtype)
+        gate = gate.float()
+        act = torch.sigmoid(gate) if self.activation == "sigmoid" else torch.nn.functional.silu(gate)
+        return (normed * act).to(dtype)

@@ -187,7 +187,8 @@ class DeepseekV4ForCausalLMNextN(nn.Module):
 
     @classmethod
     def create_cache_pool(cls, config, max_reqs: int, num_pages: int, page_size: int,
-                          max_tokens_per_pass: int, dtype: torch.dtype, device="cpu") -> DeepseekV4KVPool:
+                          max_tokens_per_pass: int, dtype: torch.dtype, device="cpu",
+                          max_context: int = 0) -> DeepseekV4KVPool:
         return DeepseekV4KVPool(cls.cache_layout(config), max_reqs, num_pages, page_size,
                                 max_tokens_per_pass, dtype, device)
 

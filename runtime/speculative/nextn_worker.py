@@ -125,6 +125,8 @@ class NextNWorker:
         result = verify(logits, drafts, sampling, torch.tensor(committed), self.generator)
         num_accepted = result.num_accepted.tolist()
         self.stats.record(num_accepted)
+        # recurrent caches keep the state after the last accepted row
+        self.target.kv_pool.commit_verified(torch.tensor([r.req_pool_idx for r in reqs]), result.num_accepted)
 
         # verify row j is followed by d_{j+1} (accepted rows) or the final token (row m)
         following = torch.cat([drafts, result.final_tokens.unsqueeze(1)], dim=1)

@@ -4,12 +4,8 @@ or HCA), single-latent MQA with an attention sink and a grouped output projectio
 
 Math: research/deepseek_v4.md sections 2.5-2.7. Caches: `runtime.cache.deepseek_v4_pool`.
 
-Every key a query needs is either in a cache ring (written by an earlier forward) or a
-row of the current forward ("fresh"). Gather indices address a virtual buffer
-`[cache rows | fresh rows]`; they are built once per forward (`ctx.memo`) and shared by
-all layers. Rings are written only after the layer has read them, and only with the last
-ring-length positions of each request, so a long prefill chunk never overwrites a key it
-still needs.
+Window keys and compressor state rows live in position-keyed rings (`position_ring`);
+their gather indices are built once per forward (`ctx.memo`) and shared by all layers.
 """
 
 from __future__ import annotations
@@ -24,6 +20,7 @@ from runtime.execution.forward_context import ForwardContext
 from runtime.kernels.sink_attention import sink_attention
 from runtime.layers.linear import MergedColumnParallelLinear, ReplicatedLinear
 from runtime.layers.norm import RMSNorm, WeightlessRMSNorm
+from runtime.layers.position_ring import RingAccess, gather_ring, ring_access
 from runtime.layers.rotary import RotaryEmbedding
 from runtime.layers.weight_utils import make_param
 
@@ -44,46 +41,6 @@ class RopeInputs:
 # Per-forward metadata
 # ---------------------------------------------------------------------------------------
 
-@dataclass
-class RingAccess:
-    """Reads from `[ring rows | fresh rows]` for a set of (row, key position) pairs and the
-    ring writes that follow."""
-
-    read_idx: torch.Tensor  # [R, L] index into the virtual buffer
-    read_valid: torch.Tensor  # [R, L] key position exists (>= 0)
-    write_rows: torch.Tensor  # [n] fresh rows that go into the ring
-    write_loc: torch.Tensor  # [n] their ring rows
-
-
-def _ring_access(ctx: ForwardContext, rows: torch.Tensor, key_pos: torch.Tensor, ring: int,
-                 ring_rows: int) -> RingAccess:
-    """`rows [R]` input rows, `key_pos [R, L]` absolute positions each of them reads."""
-    req = ctx.token_to_req[rows].unsqueeze(1)
-    prefix, start = ctx.prefix_lens[req], ctx.extend_start_loc[req]
-    req_slot = ctx.req_pool_indices[req]
-    valid = key_pos >= 0
-    fresh = key_pos >= prefix
-    ring_idx = req_slot * ring + key_pos.clamp(min=0) % ring
-    read_idx = torch.where(fresh, ring_rows + start + key_pos - prefix, ring_idx)
-    read_idx = read_idx.masked_fill(~valid, 0)
-
-    all_req = ctx.token_to_req
-    keep = ctx.positions >= ctx.seq_lens[all_req] - ring
-    write_rows = keep.nonzero().squeeze(1)
-    write_loc = ctx.req_pool_indices[all_req[write_rows]] * ring + ctx.positions[write_rows] % ring
-    return RingAccess(read_idx, valid, write_rows, write_loc)
-
-
-def gather_ring(ring_buf: torch.Tensor, fresh: torch.Tensor, read_idx: torch.Tensor) -> torch.Tensor:
-    """Rows of the virtual buffer `[ring_buf | fresh]`: `[R, L, D]`."""
-    num_ring = ring_buf.shape[0]
-    out = ring_buf[read_idx.clamp(max=num_ring - 1)]
-    from_fresh = read_idx >= num_ring
-    if from_fresh.any():
-        out[from_fresh] = fresh[read_idx[from_fresh] - num_ring].to(out.dtype)
-    return out
-
-
 def window_access(ctx: ForwardContext, pool: DeepseekV4KVPool, window: int) -> RingAccess:
     """Sliding-window keys of every row: positions `p - window + 1 .. p`."""
 
@@ -91,7 +48,7 @@ def window_access(ctx: ForwardContext, pool: DeepseekV4KVPool, window: int) -> R
         offsets = torch.arange(window - 1, -1, -1, device=ctx.device)
         key_pos = ctx.positions.unsqueeze(1) - offsets
         rows = torch.arange(ctx.num_tokens, device=ctx.device)
-        return _ring_access(ctx, rows, key_pos, pool.swa_ring, pool.swa_kv[0].shape[0])
+        return ring_access(ctx, rows, key_pos, pool.swa_ring, pool.swa_kv[0].shape[0])
 
     return ctx.memo("v4.window", build)
 
@@ -116,7 +73,7 @@ def compress_access(ctx: ForwardContext, pool: DeepseekV4KVPool, ratio: int) -> 
         window = compressor_overlap(ratio) * ratio
         key_pos = pos[boundary_rows].unsqueeze(1) - torch.arange(window - 1, -1, -1, device=device)
         ring = pool.state_ring(ratio)
-        state = _ring_access(ctx, boundary_rows, key_pos, ring, pool.max_reqs * ring)
+        state = ring_access(ctx, boundary_rows, key_pos, ring, pool.max_reqs * ring)
 
         req_slots = ctx.req_pool_indices
         entry_pos = pos[boundary_rows] // ratio * ratio

@@ -1,0 +1,114 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Qwen4Exp cache buffers (target and MTP draft).
+
+* attention layers: K and V per full-history token slot, plus the raw QSA index key.
+* Gated DeltaNet layers: the causal-conv inputs in a position-keyed ring, and the recurrent
+  state (fp32) in one row per request. A verify pass writes the state after each of its
+  rows to `ssm_snapshots`; `commit_verified` copies the accepted one into the state.
+* PLE layers: the token ring (n-gram context) and the conv-input ring.
+* the draft's attention layer remembers, per request, the QSA blocks its first step chose
+  (`remember_selection` / `recall_selection`), for its later chained steps.
+
+Everything else is keyed by position, so rejected speculative positions are just rewritten.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Qwen4ExpCacheLayout:
+    layer_kinds: tuple[str, ...]  # "linear" or "attention", per cache layer
+    ple_layers: tuple[int, ...]  # cache layers hosting PLE
+    num_kv_heads: int
+    head_dim: int
+    index_head_dim: int
+    conv_dim: int
+    conv_kernel: int
+    num_v_heads: int
+    head_k_dim: int
+    head_v_dim: int
+    hc_width: int  # n * H
+    ple_conv_span: int  # (kernel - 1) * dilation
+    ngram_size: int
+    qsa_ratio: int
+
+
+class Qwen4ExpKVPool:
+    def __init__(self, layout: Qwen4ExpCacheLayout, max_reqs: int, num_pages: int, page_size: int,
+                 max_tokens_per_pass: int, dtype: torch.dtype, device="cpu", reuses_qsa_selection: bool = False,
+                 max_context: int = 0):
+        self.layout, self.dtype, self.device, self.max_reqs = layout, dtype, device, max_reqs
+        self.reuses_qsa_selection = reuses_qsa_selection
+        slots = num_pages * page_size
+        self.conv_ring = layout.conv_kernel - 1 + max_tokens_per_pass
+        self.token_ring = layout.ngram_size - 1 + max_tokens_per_pass
+        self.ple_conv_ring = layout.ple_conv_span + max_tokens_per_pass
+
+        def zeros(*shape, dt=dtype):
+            return torch.zeros(shape, dtype=dt, device=device)
+
+        kinds = layout.layer_kinds
+        self.k_cache = {i: zeros(slots, layout.num_kv_heads, layout.head_dim) for i, k in enumerate(kinds)
+                        if k == "attention"}
+        self.v_cache = {i: zeros(slots, layout.num_kv_heads, layout.head_dim) for i in self.k_cache}
+        self.index_cache = {i: zeros(slots, layout.index_head_dim) for i in self.k_cache}
+        linear = [i for i, k in enumerate(kinds) if k == "linear"]
+        state = (layout.num_v_heads, layout.head_k_dim, layout.head_v_dim)
+        self.conv_state = {i: zeros(max_reqs * self.conv_ring, layout.conv_dim) for i in linear}
+        self.ssm_state = {i: zeros(max_reqs, *state, dt=torch.float32) for i in linear}
+        self.ssm_snapshots = {i: zeros(max_reqs, max_tokens_per_pass, *state, dt=torch.float32) for i in linear}
+        self.ple_tokens = {i: zeros(max_reqs * self.token_ring, dt=torch.long) for i in layout.ple_layers}
+        self.ple_conv = {i: zeros(max_reqs * self.ple_conv_ring, layout.hc_width) for i in layout.ple_layers}
+        max_blocks = max(1, max_context // max(layout.qsa_ratio, 1))
+        self.qsa_blocks = ({i: zeros(max_reqs, max_blocks, dt=torch.bool) for i in self.k_cache}
+                           if reuses_qsa_selection else {})
+        self.qsa_tail = ({i: zeros(max_reqs, dt=torch.long) for i in self.k_cache} if reuses_qsa_selection else {})
+
+    # speculative decoding -----------------------------------------------------------------
+    def commit_verified(self, req_pool_indices: torch.Tensor, num_accepted: torch.Tensor) -> None:
+        """Keep the recurrent state after the last accepted verify row (`num_accepted` drafts
+        accepted = row `num_accepted`)."""
+        slots = torch.as_tensor(req_pool_indices, dtype=torch.long, device=self.device)
+        rows = torch.as_tensor(num_accepted, dtype=torch.long, device=self.device)
+        for layer, snapshots in self.ssm_snapshots.items():
+            self.ssm_state[layer][slots] = snapshots[slots, rows]
+
+    def remember_selection(self, layer: int, ctx, keys, selected: torch.Tensor | None) -> None:
+        """Store, per request, the blocks chosen at its logits row (the draft's first step)."""
+        rows = ctx.logits_row_indices
+        slots = ctx.req_pool_indices[ctx.token_to_req[rows]]
+        blocks = self.qsa_blocks[layer]
+        blocks[slots] = False
+        if selected is None:  # dense: everything from position 0 counts as "tail"
+            self.qsa_tail[layer][slots] = 0
+            return
+        ratio = self.layout.qsa_ratio
+        chosen_rows, chosen_blocks = selected[rows].nonzero(as_tuple=True)
+        blocks[slots[chosen_rows], keys.block_start[chosen_blocks] // ratio] = True
+        self.qsa_tail[layer][slots] = keys.tail_start[rows]
+
+    def recall_selection(self, layer: int, ctx, keys) -> torch.Tensor:
+        """Token mask `[T, L]` from the remembered blocks: chosen blocks, and every position
+        from the first step's tail on (which includes the new draft positions)."""
+        slot_of_key = ctx.req_pool_indices[keys.key_req]
+        in_block = self.qsa_blocks[layer][slot_of_key, keys.positions // self.layout.qsa_ratio]
+        after_tail = keys.positions >= self.qsa_tail[layer][slot_of_key]
+        return (in_block | after_tail).unsqueeze(0).expand(ctx.num_tokens, -1)
+
+    # reporting ----------------------------------------------------------------------------
+    def _buffers(self):
+        for group in (self.k_cache, self.v_cache, self.index_cache, self.conv_state, self.ssm_state,
+                      self.ssm_snapshots, self.ple_tokens, self.ple_conv, self.qsa_blocks, self.qsa_tail):
+            yield from group.values()
+
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self._buffers())
+
+    def describe(self) -> str:
+        kinds = self.layout.layer_kinds
+        return (f"Qwen4Exp cache: {kinds.count('attention')} attention + {kinds.count('linear')} Gated DeltaNet "
+                f"layers, {len(self.layout.ple_layers)} PLE, {self.nbytes() / 2**20:.1f} MiB")

@@ -1,0 +1,2 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Linear-attention mixers with recurrent state."""

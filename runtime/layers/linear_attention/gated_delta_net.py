@@ -1,0 +1,103 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Gated DeltaNet linear attention (Qwen3.5 / Qwen4Exp; research/qwen4exp.md section 2.6).
+
+    [qkv | z | b | a] = in_proj(x)
+    qkv = silu(causal_conv_4(qkv))             depthwise, over this request's positions
+    q, k (repeated to the value heads), l2-normalised; q /= sqrt(dk)
+    beta = sigmoid(b);  g = -exp(A_log) * softplus(a + dt_bias)
+    o = gated_delta_rule(q, k, v, g, beta)     recurrent state per request, fp32
+    y = out_proj(GatedRMSNorm(o, z))           act(z) with act = sigmoid (Qwen4Exp) or silu
+
+The conv inputs live in a position-keyed ring; the recurrent state in one row per request.
+A TARGET_VERIFY pass leaves the state alone and records the state after every verify row
+instead; `commit_verified` later keeps the one matching the accepted length.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from runtime.execution.forward_context import ForwardContext
+from runtime.kernels.gated_delta_rule import chunked_gated_delta_rule
+from runtime.layers.causal_conv import causal_conv, conv_window_access
+from runtime.layers.linear import MergedColumnParallelLinear, ReplicatedLinear
+from runtime.layers.norm import GatedRMSNorm
+from runtime.layers.weight_utils import copy_checked, make_param
+
+
+def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def pad_by_request(ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
+    """`[bs, L]` row index of each request's rows (padded) and the validity mask."""
+
+    def build():
+        longest = max(ctx.extend_lens_cpu) if ctx.batch_size else 0
+        offsets = torch.arange(longest, device=ctx.device)
+        valid = offsets.unsqueeze(0) < ctx.extend_lens.unsqueeze(1)
+        index = (ctx.extend_start_loc.unsqueeze(1) + offsets).masked_fill(~valid, 0)
+        return index, valid
+
+    return ctx.memo("rows.padded", build)
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, config, cache_layer: int):
+        super().__init__()
+        self.cache_layer = cache_layer
+        self.num_k_heads, self.num_v_heads = config.linear_num_key_heads, config.linear_num_value_heads
+        self.head_k_dim, self.head_v_dim = config.linear_key_head_dim, config.linear_value_head_dim
+        self.key_dim = self.num_k_heads * self.head_k_dim
+        self.value_dim = self.num_v_heads * self.head_v_dim
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.kernel = config.linear_conv_kernel_dim
+        self.in_proj = MergedColumnParallelLinear(
+            config.hidden_size, [self.conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads])
+        self.conv1d = nn.Module()
+        self.conv1d.weight = make_param((self.conv_dim, 1, self.kernel), loader=self._conv_loader)
+        self.A_log = make_param((self.num_v_heads,), torch.float32)
+        self.dt_bias = make_param((self.num_v_heads,), torch.float32)
+        activation = getattr(config, "output_gate_type", None) or config.hidden_act
+        self.norm = GatedRMSNorm(self.head_v_dim, config.rms_norm_eps, activation)
+        self.out_proj = ReplicatedLinear(self.value_dim, config.hidden_size)
+
+    def _conv_loader(self, param, loaded, shard_id=None):
+        copy_checked(param.data, loaded.view(param.shape) if loaded.numel() == param.numel() else loaded)
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        pool = ctx.kv_pool
+        layer = self.cache_layer
+        qkv, z, b, a = self.in_proj(x).split(self.in_proj.output_sizes, dim=-1)
+        access = conv_window_access(ctx, self.kernel, 1, pool.conv_ring, pool.conv_state[layer].shape[0],
+                                    "gdn.conv")
+        qkv = F.silu(causal_conv(qkv, self.conv1d.weight.squeeze(1), pool.conv_state[layer], access))
+        q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        repeat = self.num_v_heads // self.num_k_heads
+        q = l2_normalize(q.view(-1, self.num_k_heads, self.head_k_dim).float()).repeat_interleave(repeat, 1)
+        k = l2_normalize(k.view(-1, self.num_k_heads, self.head_k_dim).float()).repeat_interleave(repeat, 1)
+        q = q * self.head_k_dim**-0.5
+        v = v.view(-1, self.num_v_heads, self.head_v_dim).float()
+        beta = torch.sigmoid(b.float())
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        out = self._recurrence(q, k, v, g, beta, ctx)
+        out = self.norm(out.to(x.dtype), z.view(-1, self.num_v_heads, self.head_v_dim))
+        return self.out_proj(out.flatten(1))
+
+    def _recurrence(self, q, k, v, g, beta, ctx: ForwardContext) -> torch.Tensor:
+        pool, layer = ctx.kv_pool, self.cache_layer
+        index, valid = pad_by_request(ctx)
+        mask = valid.unsqueeze(-1)
+        padded = [t[index] * (mask.unsqueeze(-1) if t.dim() == 3 else mask) for t in (q, k, v, g, beta)]
+        slots = ctx.req_pool_indices
+        start = pool.ssm_state[layer][slots]
+        start = start * (ctx.prefix_lens > 0).view(-1, 1, 1, 1)  # a new request starts from zero
+        verify = ctx.forward_mode.is_target_verify()
+        out, final, states = chunked_gated_delta_rule(*padded, start, return_states=verify)
+        if verify:
+            pool.ssm_snapshots[layer][slots, :states.shape[1]] = states
+        else:
+            pool.ssm_state[layer][slots] = final
+        return out[valid]
