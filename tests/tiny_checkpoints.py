@@ -297,3 +297,41 @@ def build_tiny_qwen4_exp_checkpoint(path: Path, seed: int = 0, **overrides):
     model = make_hf_qwen4_exp_model(config, seed)
     state = {k: v.clone().contiguous() for k, v in model.state_dict().items()}
     return save_released_checkpoint(path, config, state), model
+
+
+def qwen_mtp_state(config: dict, seed: int) -> tuple[dict[str, torch.Tensor], torch.nn.Module]:
+    """The 31 `mtp.*` tensors of a Qwen4Exp checkpoint (released names), and the
+    transformers model whose last decoder layer is the MTP layer (for the dense oracle)."""
+    layers = config["num_hidden_layers"]
+    plus = {**config, "num_hidden_layers": layers + 1,
+            "layer_types": list(config["layer_types"]) + ["full_attention"]}
+    model = make_hf_qwen4_exp_model(plus, seed + 100)
+    prefix = f"model.layers.{layers}."
+    state = {"mtp.layers.0." + k[len(prefix):]: v.clone() for k, v in model.state_dict().items()
+             if k.startswith(prefix)}
+    g = torch.Generator().manual_seed(seed + 200)
+    hidden, n, r = config["hidden_size"], config["hc_count"], config["hc_lowrank"]
+
+    def noise(*shape, scale=1.0):
+        return scale * torch.randn(shape, generator=g)
+
+    state.update({
+        "mtp.fc_embedding.weight": noise(hidden, hidden, scale=hidden**-0.5),
+        "mtp.fc_hidden.weight": noise(hidden, hidden, scale=hidden**-0.5),
+        "mtp.pre_fc_norm_embedding.weight": noise(hidden, scale=0.1),
+        "mtp.pre_fc_norm_hidden.weight": noise(n * hidden, scale=0.1),
+        "mtp.hyper_connection_mixer.hc_norm.weight": noise(n * hidden, scale=0.1),
+        "mtp.hyper_connection_mixer.input_mix_weight_down.weight": noise(r, n * hidden, scale=(n * hidden)**-0.5),
+        "mtp.hyper_connection_mixer.input_mix_weight_up.weight": noise(n * hidden, r, scale=r**-0.5),
+    })
+    return state, model
+
+
+def build_tiny_qwen4_exp_mtp_checkpoint(path: Path, seed: int = 0, **overrides):
+    """Target + one MTP layer. Returns (path, target hf model, hf model holding the MTP layer)."""
+    config = tiny_qwen4_exp_config(**overrides)
+    target = make_hf_qwen4_exp_model(config, seed)
+    state = {k: v.clone().contiguous() for k, v in target.state_dict().items()}
+    extra, mtp_model = qwen_mtp_state(config, seed)
+    state.update(extra)
+    return save_released_checkpoint(path, config, state), target, mtp_model

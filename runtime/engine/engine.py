@@ -99,10 +99,10 @@ class Engine:
 
     def _draft_class(self, target_cls: type) -> type:
         name = getattr(target_cls, "draft_architecture", None)
-        layers = getattr(self.model_config.hf_config, "num_nextn_predict_layers", 0) or 0
-        if name is None or name not in model_classes() or layers < 1:
+        if (name is None or name not in model_classes()
+                or not target_cls.has_draft_layers(self.model_config.hf_config)):
             raise ValueError(f"{target_cls.__name__} checkpoint at '{self.model_config.model_path}' has no "
-                             "MTP (NextN) draft layer (num_nextn_predict_layers = 0): use a checkpoint "
+                             "MTP (NextN) draft layer in its config: use a checkpoint "
                              "with `mtp.*` weights or drop --speculative-algorithm")
         return model_classes()[name]
 

@@ -273,6 +273,10 @@ class DeepseekV4ForCausalLM(nn.Module):
 
     draft_architecture = "DeepseekV4ForCausalLMNextN"  # its MTP draft, for NEXTN
 
+    @staticmethod
+    def has_draft_layers(config) -> bool:
+        return (getattr(config, "num_nextn_predict_layers", 0) or 0) >= 1
+
     def __init__(self, config, mapping: Mapping | None = None, quant_config=None, prefix: str = ""):
         super().__init__()
         self.config, self.mapping = config, mapping or Mapping.single()

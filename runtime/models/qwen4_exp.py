@@ -218,6 +218,11 @@ class Qwen4ExpForCausalLM(nn.Module):
 
     draft_architecture = "Qwen4ExpMTP"
 
+    @staticmethod
+    def has_draft_layers(config) -> bool:
+        cfg = text_config(config)
+        return bool(getattr(cfg, "mtp_num_hidden_layers", None) or getattr(cfg, "num_nextn_predict_layers", 0))
+
     def __init__(self, config, mapping: Mapping | None = None, quant_config=None, prefix: str = ""):
         super().__init__()
         self.config, self.mapping = config, mapping or Mapping.single()
