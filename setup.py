@@ -32,6 +32,7 @@ setup(
             "scipy>=1.11",
             "openai>=1.30",
             "requests>=2.31",
+            "matplotlib>=3.7",
         ],
     },
     entry_points={"console_scripts": ["launch_server=runtime.launch_server:main"]},
