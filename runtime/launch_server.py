@@ -33,22 +33,37 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as err:  # bad flags fail here, before any weight is read
         print(f"launch_server: error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="[%(asctime)s] %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=args.log_level.upper(), format="[%(asctime)s] %(levelname)s %(name)s: %(message)s"
+    )
     try:
         app, engine = build(args)
     except (ValueError, FileNotFoundError) as err:
         print(f"launch_server: error: {err}", file=sys.stderr)
         raise SystemExit(1) from None
     cap = engine.capacity
-    print(f"KV cache capacity: {cap['max_total_tokens']} tokens (page size {cap['page_size']}), "
-          f"{cap['max_running_requests']} request slots, {cap['kv_cache_bytes'] / 2**20:.1f} MiB", flush=True)
+    print(
+        f"KV cache capacity: {cap['max_total_tokens']} tokens (page size {cap['page_size']}), "
+        f"{cap['max_running_requests']} request slots, {cap['kv_cache_bytes'] / 2**20:.1f} MiB",
+        flush=True,
+    )
     spec = engine.spec_config
-    print("speculative decoding: " + (f"{spec.algorithm}, steps {spec.num_steps}, topk {spec.eagle_topk}, "
-                                      f"draft tokens {spec.num_draft_tokens}" if spec else "off"), flush=True)
+    print(
+        "speculative decoding: "
+        + (
+            f"{spec.algorithm}, steps {spec.num_steps}, topk {spec.eagle_topk}, "
+            f"draft tokens {spec.num_draft_tokens}"
+            if spec
+            else "off"
+        ),
+        flush=True,
+    )
     import uvicorn
 
-    print(f"serving {args.served_model_name or engine.model_path} on http://{args.host}:{args.port}", flush=True)
+    print(
+        f"serving {args.served_model_name or engine.model_path} on http://{args.host}:{args.port}",
+        flush=True,
+    )
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower())
 
 

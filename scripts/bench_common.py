@@ -28,30 +28,56 @@ BLOCK_WIDTH = 50  # SGLang's result blocks are 50 columns wide
 # --------------------------------------------------------------------------------------
 # flags
 
+
 def add_model_args(parser: argparse.ArgumentParser, steps_sweep: bool = True) -> None:
     """--model-path, --dtype, the speculative flags, --compare, --threads, --seed."""
     g = parser.add_argument_group("model and decoding")
-    g.add_argument("--model-path", dest="model_path", default=None,
-                   help="checkpoint directory (default: the engine's embedded tiny model)")
+    g.add_argument(
+        "--model-path",
+        dest="model_path",
+        default=None,
+        help="checkpoint directory (default: the engine's embedded tiny model)",
+    )
     g.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
     g.add_argument("--speculative-algorithm", default=None, help="NEXTN (aliases MTP, EAGLE)")
-    g.add_argument("--speculative-num-steps", type=int, nargs="+" if steps_sweep else None,
-                   default=None, help="draft steps per round (default 3)"
-                   + ("; several values sweep them, one run each" if steps_sweep else ""))
+    g.add_argument(
+        "--speculative-num-steps",
+        type=int,
+        nargs="+" if steps_sweep else None,
+        default=None,
+        help="draft steps per round (default 3)"
+        + ("; several values sweep them, one run each" if steps_sweep else ""),
+    )
     g.add_argument("--speculative-eagle-topk", type=int, default=None, help="1 (chain drafting)")
-    g.add_argument("--speculative-num-draft-tokens", type=int, default=None,
-                   help="verify width (steps + 1)")
-    g.add_argument("--compare", action="store_true",
-                   help="run plain decoding and NEXTN back to back and print NEXTN/plain ratios "
-                   "(NEXTN is implied)")
-    g.add_argument("--max-running-requests", type=int, default=64,
-                   help="request slots; the same for every variant so they compare fairly")
-    g.add_argument("--threads", type=int, default=os.cpu_count() or 1,
-                   help="torch threads, the same for every variant and the HF baseline "
-                   "(default: all cores)")
+    g.add_argument(
+        "--speculative-num-draft-tokens", type=int, default=None, help="verify width (steps + 1)"
+    )
+    g.add_argument(
+        "--compare",
+        action="store_true",
+        help="run plain decoding and NEXTN back to back and print NEXTN/plain ratios "
+        "(NEXTN is implied)",
+    )
+    g.add_argument(
+        "--max-running-requests",
+        type=int,
+        default=64,
+        help="request slots; the same for every variant so they compare fairly",
+    )
+    g.add_argument(
+        "--threads",
+        type=int,
+        default=os.cpu_count() or 1,
+        help="torch threads, the same for every variant and the HF baseline (default: all cores)",
+    )
     g.add_argument("--seed", type=int, default=1, help="seed of the random prompts")
-    g.add_argument("--disable-tqdm", "--no-progress", dest="disable_tqdm", action="store_true",
-                   help="no progress bars")
+    g.add_argument(
+        "--disable-tqdm",
+        "--no-progress",
+        dest="disable_tqdm",
+        action="store_true",
+        help="no progress bars",
+    )
 
 
 @dataclass(frozen=True)
@@ -81,16 +107,21 @@ def build_variants(args: argparse.Namespace) -> list[Variant]:
     variants = []
     if args.compare or algorithm is None:
         if algorithm is None and any(s is not None for s in steps):
-            raise ValueError("--speculative-num-steps needs --speculative-algorithm NEXTN "
-                             "(or --compare)")
+            raise ValueError(
+                "--speculative-num-steps needs --speculative-algorithm NEXTN (or --compare)"
+            )
         variants.append(Variant("plain", None))
     if algorithm is not None:
         for s in steps:
-            cfg = SpeculativeConfig.resolve(algorithm, s, args.speculative_eagle_topk,
-                                            args.speculative_num_draft_tokens)
-            spec = {"speculative_algorithm": cfg.algorithm, "speculative_num_steps": cfg.num_steps,
-                    "speculative_eagle_topk": cfg.eagle_topk,
-                    "speculative_num_draft_tokens": cfg.num_draft_tokens}
+            cfg = SpeculativeConfig.resolve(
+                algorithm, s, args.speculative_eagle_topk, args.speculative_num_draft_tokens
+            )
+            spec = {
+                "speculative_algorithm": cfg.algorithm,
+                "speculative_num_steps": cfg.num_steps,
+                "speculative_eagle_topk": cfg.eagle_topk,
+                "speculative_num_draft_tokens": cfg.num_draft_tokens,
+            }
             variants.append(Variant(f"{cfg.algorithm}(steps={cfg.num_steps})", spec))
     return variants
 
@@ -123,9 +154,13 @@ def make_engine(args: argparse.Namespace, variant: Variant, **overrides):
     """An in-process `Engine` for `variant` with the shared flags (`overrides` win)."""
     from runtime import Engine
 
-    kwargs = {"model_path": args.model_path, "dtype": args.dtype,
-              "max_running_requests": args.max_running_requests, "random_seed": args.seed,
-              **(variant.spec or {})}
+    kwargs = {
+        "model_path": args.model_path,
+        "dtype": args.dtype,
+        "max_running_requests": args.max_running_requests,
+        "random_seed": args.seed,
+        **(variant.spec or {}),
+    }
     kwargs.update(overrides)
     return Engine(**kwargs)
 
@@ -146,6 +181,7 @@ def accept_length_between(before: tuple[int, int], after: tuple[int, int]) -> fl
 
 # --------------------------------------------------------------------------------------
 # prompts
+
 
 def random_token_ids(rng: random.Random, length: int, vocab_size: int, low: int = 0) -> list[int]:
     """`length` ids drawn uniformly from [low, vocab_size)."""
@@ -188,6 +224,7 @@ def read_prompt_file(path: str | Path) -> list[dict]:
 # --------------------------------------------------------------------------------------
 # printing
 
+
 def block_header(title: str = "", fill: str = "=") -> str:
     """SGLang's centred header line, e.g. '====== Serving Benchmark Result ======'."""
     text = f" {title} " if title and fill == "=" else title
@@ -212,6 +249,7 @@ def ratio_line(label: str, num: float, den: float) -> str:
 
 def print_table(columns: list[str], rows: list[list]) -> None:
     """A markdown table, floats with 2 decimals (None prints as n/a)."""
+
     def cell(v):
         if v is None:
             return "n/a"
@@ -245,20 +283,32 @@ def percentiles(values: list[float], *, scale: float = 1000.0) -> dict:
     if not values:
         return dict.fromkeys(("mean", "median", "std", "p90", "p95", "p99", "max"), 0.0)
     arr = np.asarray(values, dtype=float) * scale
-    return {"mean": float(arr.mean()), "median": float(np.median(arr)), "std": float(arr.std()),
-            "p90": float(np.percentile(arr, 90)), "p95": float(np.percentile(arr, 95)),
-            "p99": float(np.percentile(arr, 99)), "max": float(arr.max())}
+    return {
+        "mean": float(arr.mean()),
+        "median": float(np.median(arr)),
+        "std": float(arr.std()),
+        "p90": float(np.percentile(arr, 90)),
+        "p95": float(np.percentile(arr, 95)),
+        "p99": float(np.percentile(arr, 99)),
+        "max": float(arr.max()),
+    }
 
 
 def run_config(args: argparse.Namespace, model_path: str, torch_threads: int | None) -> dict:
     """The settings every JSONL record carries, so results read on their own."""
-    return {"model_path": model_path, "dtype": args.dtype, "threads": torch_threads,
-            "max_running_requests": args.max_running_requests, "seed": args.seed,
-            "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    return {
+        "model_path": model_path,
+        "dtype": args.dtype,
+        "threads": torch_threads,
+        "max_running_requests": args.max_running_requests,
+        "seed": args.seed,
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
 
 
 # --------------------------------------------------------------------------------------
 # HF transformers baseline
+
 
 class TokenClock:
     """A `generate` streamer that only records when each step's tokens arrive: the first
@@ -295,23 +345,38 @@ def hf_generate(model, input_ids, attention_mask, new_tokens: int):
     clock = TokenClock()
     start = time.perf_counter()
     with torch.inference_mode():
-        out = model.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=False,
-                             max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                             eos_token_id=None, pad_token_id=0, streamer=clock)
+        out = model.generate(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            do_sample=False,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            eos_token_id=None,
+            pad_token_id=0,
+            streamer=clock,
+        )
     end = time.perf_counter()
     if out.shape[1] - input_ids.shape[1] != new_tokens:
-        raise RuntimeError(f"HF generate produced {out.shape[1] - input_ids.shape[1]} tokens, "
-                           f"expected {new_tokens}")
+        raise RuntimeError(
+            f"HF generate produced {out.shape[1] - input_ids.shape[1]} tokens, "
+            f"expected {new_tokens}"
+        )
     clock.times.append(end)
-    return out[:, input_ids.shape[1]:], clock, start
+    return out[:, input_ids.shape[1] :], clock, start
 
 
 # --------------------------------------------------------------------------------------
 # plots
 
-def save_plot(path: str, x_label: str, series: dict[str, tuple[list, list]],
-              accept: dict[str, tuple[list, list]], y_label: str = "tokens/s",
-              log_x: bool = False) -> None:
+
+def save_plot(
+    path: str,
+    x_label: str,
+    series: dict[str, tuple[list, list]],
+    accept: dict[str, tuple[list, list]],
+    y_label: str = "tokens/s",
+    log_x: bool = False,
+) -> None:
     """Lines of tokens/s (left axis) and accept length (right axis, dashed, same colour as
     its series) against x."""
     try:
@@ -338,8 +403,14 @@ def save_plot(path: str, x_label: str, series: dict[str, tuple[list, list]],
     if accept:
         ax2 = ax.twinx()
         for name, (xs, ys) in accept.items():
-            ax2.plot(xs, ys, marker="s", linestyle="--", color=colours.get(name),
-                     label=f"{name}: accept length")
+            ax2.plot(
+                xs,
+                ys,
+                marker="s",
+                linestyle="--",
+                color=colours.get(name),
+                label=f"{name}: accept length",
+            )
         ax2.set_ylabel("accept length (tokens / verify round)")
         ax2.set_ylim(bottom=0)
         h2, l2 = ax2.get_legend_handles_labels()

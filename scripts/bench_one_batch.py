@@ -59,8 +59,9 @@ WARMUP_OUTPUT_LEN = 8
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     add_model_args(p)
     p.add_argument("--batch-size", type=int, nargs="+", default=[1])
     p.add_argument("--input-len", type=int, nargs="+", default=[256])
@@ -68,10 +69,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--page-size", type=int, default=1)
     p.add_argument("--run-name", default="default", help="tag stored in the JSONL records")
     p.add_argument("--result-filename", help="append one JSONL record per row")
-    p.add_argument("--hf-baseline", action="store_true",
-                   help="also run HF transformers generate and print ours/HF ratios")
-    p.add_argument("--profile-overhead", action="store_true",
-                   help="at batch 1: share of decode time outside the model forwards + cProfile")
+    p.add_argument(
+        "--hf-baseline",
+        action="store_true",
+        help="also run HF transformers generate and print ours/HF ratios",
+    )
+    p.add_argument(
+        "--profile-overhead",
+        action="store_true",
+        help="at batch 1: share of decode time outside the model forwards + cProfile",
+    )
     p.add_argument("--profile-top", type=int, default=15, help="cProfile entries to print")
     p.add_argument("--plot", help="PNG of decode tokens/s and accept length against batch size")
     args = p.parse_args(argv)
@@ -79,8 +86,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         if min(getattr(args, name)) < 1:
             p.error(f"--{name.replace('_', '-')} values must be >= 1")
     if min(args.output_len) < 2:
-        p.error("--output-len values must be >= 2 (the prefill token plus at least one decode "
-                "step)")
+        p.error(
+            "--output-len values must be >= 2 (the prefill token plus at least one decode step)"
+        )
     return args
 
 
@@ -101,6 +109,7 @@ def greedy(output_len: int) -> dict:
 # --------------------------------------------------------------------------------------
 # our engine
 
+
 def run_batch(engine, prompts: list[list[int]], output_len: int) -> tuple[list, float, list, list]:
     """Prefill the batch in one step, then decode to the end. Returns (requests, prefill
     seconds, per-step seconds, per-step emitted tokens)."""
@@ -111,9 +120,11 @@ def run_batch(engine, prompts: list[list[int]], output_len: int) -> tuple[list, 
     engine.step()
     prefill = time.perf_counter() - start
     if any(len(r.output_ids) != 1 for r in reqs):
-        raise RuntimeError("the prefill did not finish in one step for every request (KV cache or "
-                           "request slots too small?); lower --batch-size or raise "
-                           "--max-total-tokens")
+        raise RuntimeError(
+            "the prefill did not finish in one step for every request (KV cache or "
+            "request slots too small?); lower --batch-size or raise "
+            "--max-total-tokens"
+        )
     times, tokens = [], []
     produced = len(reqs)
     while engine.has_work():
@@ -135,18 +146,27 @@ def measure_setting(engine, variant: Variant, args, setting: tuple[int, int, int
     accept = accept_length_between(before, spec_counters(engine))
     generated = sum(len(r.output_ids) for r in reqs)
     if generated != bs * output_len or any(r.finish_reason.type != "length" for r in reqs):
-        raise RuntimeError(f"expected {bs * output_len} tokens, got {generated} "
-                           f"({[r.finish_reason.to_json() for r in reqs if r.finish_reason]})")
+        raise RuntimeError(
+            f"expected {bs * output_len} tokens, got {generated} "
+            f"({[r.finish_reason.to_json() for r in reqs if r.finish_reason]})"
+        )
     if engine.scheduler.num_retractions != retractions:
-        print("warning: requests were retracted during this batch; raise --max-total-tokens",
-              file=sys.stderr)
+        print(
+            "warning: requests were retracted during this batch; raise --max-total-tokens",
+            file=sys.stderr,
+        )
     decode = sum(times)
     decode_tokens = bs * (output_len - 1)
     step_tput = [n / t for n, t in zip(tokens, times, strict=True)]
     row = {
-        "run_name": args.run_name, "variant": variant.label, "backend": "engine",
-        "batch_size": bs, "input_len": input_len, "output_len": output_len,
-        "prefill_latency": prefill, "prefill_throughput": bs * input_len / prefill,
+        "run_name": args.run_name,
+        "variant": variant.label,
+        "backend": "engine",
+        "batch_size": bs,
+        "input_len": input_len,
+        "output_len": output_len,
+        "prefill_latency": prefill,
+        "prefill_throughput": bs * input_len / prefill,
         "decode_steps": len(times),
         "median_decode_latency": statistics.median(times),
         "median_decode_throughput": statistics.median(step_tput),
@@ -154,7 +174,8 @@ def measure_setting(engine, variant: Variant, args, setting: tuple[int, int, int
         "decode_throughput": decode_tokens / decode,
         "total_latency": prefill + decode,
         "overall_throughput": bs * (input_len + output_len) / (prefill + decode),
-        "generated_tokens": generated, "accept_length": accept,
+        "generated_tokens": generated,
+        "accept_length": accept,
         "output_ids": [list(r.output_ids) for r in reqs],
     }
     print_sglang_lines(row, times, tokens)
@@ -163,21 +184,33 @@ def measure_setting(engine, variant: Variant, args, setting: tuple[int, int, int
 
 def print_sglang_lines(row: dict, times: list[float], tokens: list[int]) -> None:
     """SGLang's `bench_one_batch` lines, plus the per-token and accept-length line."""
-    print(f"\n[{row['variant']}] batch size {row['batch_size']}, input len {row['input_len']}, "
-          f"output len {row['output_len']}")
-    print(f"Prefill. latency: {row['prefill_latency']:6.5f} s, "
-          f"throughput: {row['prefill_throughput']:9.2f} token/s")
+    print(
+        f"\n[{row['variant']}] batch size {row['batch_size']}, input len {row['input_len']}, "
+        f"output len {row['output_len']}"
+    )
+    print(
+        f"Prefill. latency: {row['prefill_latency']:6.5f} s, "
+        f"throughput: {row['prefill_throughput']:9.2f} token/s"
+    )
     for i, (t, n) in enumerate(zip(times[:PRINTED_DECODE_STEPS], tokens, strict=False)):
-        print(f"Decode {i}. Batch size: {row['batch_size']}, latency: {t:6.5f} s, "
-              f"throughput: {n / t:9.2f} token/s")
-    print(f"Decode.  median latency: {row['median_decode_latency']:6.5f} s, "
-          f"median throughput: {row['median_decode_throughput']:9.2f} token/s")
+        print(
+            f"Decode {i}. Batch size: {row['batch_size']}, latency: {t:6.5f} s, "
+            f"throughput: {n / t:9.2f} token/s"
+        )
+    print(
+        f"Decode.  median latency: {row['median_decode_latency']:6.5f} s, "
+        f"median throughput: {row['median_decode_throughput']:9.2f} token/s"
+    )
     accept = row["accept_length"]
-    print(f"Decode.  per output token: {row['decode_latency_per_token'] * 1000:8.3f} ms, "
-          f"throughput: {row['decode_throughput']:9.2f} token/s, "
-          f"accept length: {'n/a' if accept is None else f'{accept:.2f}'}")
-    print(f"Total. latency: {row['total_latency']:6.3f} s, "
-          f"throughput: {row['overall_throughput']:9.2f} token/s")
+    print(
+        f"Decode.  per output token: {row['decode_latency_per_token'] * 1000:8.3f} ms, "
+        f"throughput: {row['decode_throughput']:9.2f} token/s, "
+        f"accept length: {'n/a' if accept is None else f'{accept:.2f}'}"
+    )
+    print(
+        f"Total. latency: {row['total_latency']:6.3f} s, "
+        f"throughput: {row['overall_throughput']:9.2f} token/s"
+    )
 
 
 def warm_up(engine, args, setting: tuple[int, int, int]) -> None:
@@ -191,13 +224,19 @@ def engine_for(args, variant: Variant, settings: list[tuple[int, int, int]]):
     """An engine whose pools hold the largest batch at once (no retraction, no chunking)."""
     reserve = 2 * variant.num_steps + 2 * args.page_size  # speculative look-ahead + page rounding
     needed = max(bs * (il + ol + reserve) for bs, il, ol in settings)
-    return make_engine(args, variant, chunked_prefill_size=None, page_size=args.page_size,
-                       max_total_tokens=max(65536, needed),
-                       max_running_requests=max(args.max_running_requests, max(args.batch_size)))
+    return make_engine(
+        args,
+        variant,
+        chunked_prefill_size=None,
+        page_size=args.page_size,
+        max_total_tokens=max(65536, needed),
+        max_running_requests=max(args.max_running_requests, max(args.batch_size)),
+    )
 
 
 # --------------------------------------------------------------------------------------
 # engine overhead
+
 
 class ForwardTimer:
     """Wraps a runner's `forward` and `build_context` (instance attributes shadow the class
@@ -259,20 +298,31 @@ def profile_overhead(engine, variant: Variant, args) -> dict:
             t.remove()
     inside = sum(t.forward_s for t in timers.values())
     context = sum(t.context_s for t in timers.values())
-    report = {"run_name": args.run_name, "variant": variant.label, "kind": "overhead",
-              "batch_size": 1, "input_len": input_len, "output_len": output_len,
-              "decode_wall_s": wall, "decode_steps": steps,
-              "forward_share": {k: t.forward_s / wall for k, t in timers.items()},
-              "context_build_share": context / wall,
-              "engine_overhead_share": (wall - inside) / wall}
+    report = {
+        "run_name": args.run_name,
+        "variant": variant.label,
+        "kind": "overhead",
+        "batch_size": 1,
+        "input_len": input_len,
+        "output_len": output_len,
+        "decode_wall_s": wall,
+        "decode_steps": steps,
+        "forward_share": {k: t.forward_s / wall for k, t in timers.items()},
+        "context_build_share": context / wall,
+        "engine_overhead_share": (wall - inside) / wall,
+    }
     print("\n" + block_header(f"Engine overhead [{variant.label}]"))
-    print(f"batch 1, input len {input_len}, output len {output_len}: decode wall time "
-          f"{wall * 1000:.1f} ms over {steps} steps ({wall / steps * 1000:.2f} ms/step)")
+    print(
+        f"batch 1, input len {input_len}, output len {output_len}: decode wall time "
+        f"{wall * 1000:.1f} ms over {steps} steps ({wall / steps * 1000:.2f} ms/step)"
+    )
     for name, share in report["forward_share"].items():
         print(f"{name} runner forward: {share * 100:.1f}% of decode wall time")
     print(f"  (ForwardContext.build inside those forwards: {context / wall * 100:.1f}%)")
-    print(f"engine overhead: {report['engine_overhead_share'] * 100:.1f}% of decode wall time "
-          "(scheduling, sampling, bookkeeping, detokenizing)")
+    print(
+        f"engine overhead: {report['engine_overhead_share'] * 100:.1f}% of decode wall time "
+        "(scheduling, sampling, bookkeeping, detokenizing)"
+    )
     print_decode_profile(engine, prompts[0], output_len, args.profile_top)
     return report
 
@@ -298,6 +348,7 @@ def print_decode_profile(engine, prompt: list[int], output_len: int, top: int) -
 # --------------------------------------------------------------------------------------
 # HF baseline
 
+
 def run_hf_baseline(args, model_path: str, settings, reference: dict) -> list[dict]:
     """transformers `generate` on the same prompts, dtype and threads; `reference` maps a
     setting to our greedy output ids, to report whether HF produced the same tokens."""
@@ -320,26 +371,42 @@ def run_hf_baseline(args, model_path: str, settings, reference: dict) -> list[di
         mine = reference.get((bs, il, ol), [])
         same = sum(o == r for o, r in zip(out.tolist(), mine, strict=False))
         median_step = statistics.median(step_times) if step_times else decode
-        row = {"run_name": args.run_name, "variant": "HF", "backend": "hf-transformers",
-               "batch_size": bs, "input_len": il, "output_len": ol,
-               "prefill_latency": prefill, "prefill_throughput": bs * il / prefill,
-               "decode_steps": ol - 1,
-               "median_decode_latency": median_step,
-               "median_decode_throughput": bs / median_step,
-               "decode_latency_per_token": decode / (ol - 1),
-               "decode_throughput": bs * (ol - 1) / decode,
-               "total_latency": prefill + decode,
-               "overall_throughput": bs * (il + ol) / (prefill + decode),
-               "generated_tokens": out.numel(), "accept_length": None,
-               "same_greedy_tokens_as_ours": f"{same}/{bs}"}
-        print(f"\n[HF transformers] batch size {bs}, input len {il}, output len {ol} "
-              f"(greedy outputs identical to ours: {same}/{bs} rows)")
-        print(f"Prefill. latency: {prefill:6.5f} s, "
-              f"throughput: {row['prefill_throughput']:9.2f} token/s")
-        print(f"Decode.  per output token: {row['decode_latency_per_token'] * 1000:8.3f} ms, "
-              f"throughput: {row['decode_throughput']:9.2f} token/s")
-        print(f"Total. latency: {row['total_latency']:6.3f} s, "
-              f"throughput: {row['overall_throughput']:9.2f} token/s")
+        row = {
+            "run_name": args.run_name,
+            "variant": "HF",
+            "backend": "hf-transformers",
+            "batch_size": bs,
+            "input_len": il,
+            "output_len": ol,
+            "prefill_latency": prefill,
+            "prefill_throughput": bs * il / prefill,
+            "decode_steps": ol - 1,
+            "median_decode_latency": median_step,
+            "median_decode_throughput": bs / median_step,
+            "decode_latency_per_token": decode / (ol - 1),
+            "decode_throughput": bs * (ol - 1) / decode,
+            "total_latency": prefill + decode,
+            "overall_throughput": bs * (il + ol) / (prefill + decode),
+            "generated_tokens": out.numel(),
+            "accept_length": None,
+            "same_greedy_tokens_as_ours": f"{same}/{bs}",
+        }
+        print(
+            f"\n[HF transformers] batch size {bs}, input len {il}, output len {ol} "
+            f"(greedy outputs identical to ours: {same}/{bs} rows)"
+        )
+        print(
+            f"Prefill. latency: {prefill:6.5f} s, "
+            f"throughput: {row['prefill_throughput']:9.2f} token/s"
+        )
+        print(
+            f"Decode.  per output token: {row['decode_latency_per_token'] * 1000:8.3f} ms, "
+            f"throughput: {row['decode_throughput']:9.2f} token/s"
+        )
+        print(
+            f"Total. latency: {row['total_latency']:6.3f} s, "
+            f"throughput: {row['overall_throughput']:9.2f} token/s"
+        )
         rows.append(row)
     return rows
 
@@ -347,17 +414,43 @@ def run_hf_baseline(args, model_path: str, settings, reference: dict) -> list[di
 # --------------------------------------------------------------------------------------
 # summary
 
+
 def print_summary(rows: list[dict], variants: list[Variant], hf_rows: list[dict]) -> None:
     """The final table, then NEXTN/plain and ours/HF ratios per setting."""
     print("\n" + block_header("One Batch Benchmark Result"))
-    columns = ["variant", "batch", "input", "output", "prefill (ms)", "decode step (ms, median)",
-               "ms/token", "decode tok/s", "overall tok/s", "accept len"]
-    print_table(columns, [[r["variant"], r["batch_size"], r["input_len"], r["output_len"],
-                           r["prefill_latency"] * 1000, r["median_decode_latency"] * 1000,
-                           r["decode_latency_per_token"] * 1000, r["decode_throughput"],
-                           r["overall_throughput"], r["accept_length"]] for r in rows + hf_rows])
-    by_key = {(r["variant"], r["batch_size"], r["input_len"], r["output_len"]): r
-              for r in rows + hf_rows}
+    columns = [
+        "variant",
+        "batch",
+        "input",
+        "output",
+        "prefill (ms)",
+        "decode step (ms, median)",
+        "ms/token",
+        "decode tok/s",
+        "overall tok/s",
+        "accept len",
+    ]
+    print_table(
+        columns,
+        [
+            [
+                r["variant"],
+                r["batch_size"],
+                r["input_len"],
+                r["output_len"],
+                r["prefill_latency"] * 1000,
+                r["median_decode_latency"] * 1000,
+                r["decode_latency_per_token"] * 1000,
+                r["decode_throughput"],
+                r["overall_throughput"],
+                r["accept_length"],
+            ]
+            for r in rows + hf_rows
+        ],
+    )
+    by_key = {
+        (r["variant"], r["batch_size"], r["input_len"], r["output_len"]): r for r in rows + hf_rows
+    }
     keys = sorted({(r["batch_size"], r["input_len"], r["output_len"]) for r in rows})
     for bs, il, ol in keys:
         tag = f"[bs={bs} in={il} out={ol}]"
@@ -366,14 +459,29 @@ def print_summary(rows: list[dict], variants: list[Variant], hf_rows: list[dict]
         for v in variants:
             ours = by_key[(v.label, bs, il, ol)]
             if plain is not None and not v.is_plain:
-                print(ratio_line(f"{v.label}/plain decode tok/s {tag}", ours["decode_throughput"],
-                                 plain["decode_throughput"]))
-                print(ratio_line(f"{v.label}/plain overall tok/s {tag}", ours["overall_throughput"],
-                                 plain["overall_throughput"]))
+                print(
+                    ratio_line(
+                        f"{v.label}/plain decode tok/s {tag}",
+                        ours["decode_throughput"],
+                        plain["decode_throughput"],
+                    )
+                )
+                print(
+                    ratio_line(
+                        f"{v.label}/plain overall tok/s {tag}",
+                        ours["overall_throughput"],
+                        plain["overall_throughput"],
+                    )
+                )
             if hf is not None:
                 for what in ("decode", "overall", "prefill"):
-                    print(ratio_line(f"ours[{v.label}]/HF {what} tok/s {tag}",
-                                     ours[f"{what}_throughput"], hf[f"{what}_throughput"]))
+                    print(
+                        ratio_line(
+                            f"ours[{v.label}]/HF {what} tok/s {tag}",
+                            ours[f"{what}_throughput"],
+                            hf[f"{what}_throughput"],
+                        )
+                    )
 
 
 def plot(path: str, rows: list[dict]) -> None:
@@ -421,8 +529,10 @@ def main(argv: list[str] | None = None) -> dict:
     threads = set_threads(args.threads)
     settings = settings_of(args)
     config = run_config(args, model_path, threads)
-    print(f"model: {model_path}, dtype: {args.dtype}, torch threads: {threads}, "
-          f"variants: {', '.join(v.label for v in variants)}")
+    print(
+        f"model: {model_path}, dtype: {args.dtype}, torch threads: {threads}, "
+        f"variants: {', '.join(v.label for v in variants)}"
+    )
     try:
         rows, overhead, reference = run_variants(args, variants, settings)
         hf_rows = run_hf_baseline(args, model_path, settings, reference) if args.hf_baseline else []
@@ -431,8 +541,10 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit(1) from None
     print_summary(rows, variants, hf_rows)
     for record in rows + hf_rows + overhead:
-        append_jsonl(args.result_filename,
-                     {**config, **{k: v for k, v in record.items() if k != "output_ids"}})
+        append_jsonl(
+            args.result_filename,
+            {**config, **{k: v for k, v in record.items() if k != "output_ids"}},
+        )
     if args.plot:
         plot(args.plot, rows)
     return {"rows": rows, "hf_rows": hf_rows, "overhead": overhead}

@@ -58,49 +58,83 @@ from bench_common import (  # noqa: E402
     read_prompt_file,
 )
 
-BACKENDS = {"sglang": "/generate", "sglang-oai": "/v1/completions",
-            "sglang-oai-chat": "/v1/chat/completions"}
+BACKENDS = {
+    "sglang": "/generate",
+    "sglang-oai": "/v1/completions",
+    "sglang-oai-chat": "/v1/chat/completions",
+}
 REQUEST_TIMEOUT_S = 6 * 3600
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     add_model_args(p)
     p.add_argument("--backend", choices=sorted(BACKENDS), default="sglang")
     p.add_argument("--base-url", help="server URL, e.g. http://127.0.0.1:30000")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000)
-    p.add_argument("--model", "--served-model", dest="served_model",
-                   help="model name for the OpenAI backends (default: the first of /v1/models)")
-    p.add_argument("--tokenizer",
-                   help="tokenizer for random text (default: the server's model path)")
-    p.add_argument("--dataset-name", choices=("random", "file"), default=None,
-                   help="random prompts, or the prompts of --dataset-path (default: file when "
-                   "--dataset-path is given)")
-    p.add_argument("--dataset-path", help="JSONL with \"prompt\" (and optional \"output_len\"), "
-                   "or one prompt per line")
+    p.add_argument(
+        "--model",
+        "--served-model",
+        dest="served_model",
+        help="model name for the OpenAI backends (default: the first of /v1/models)",
+    )
+    p.add_argument(
+        "--tokenizer", help="tokenizer for random text (default: the server's model path)"
+    )
+    p.add_argument(
+        "--dataset-name",
+        choices=("random", "file"),
+        default=None,
+        help="random prompts, or the prompts of --dataset-path (default: file when "
+        "--dataset-path is given)",
+    )
+    p.add_argument(
+        "--dataset-path",
+        help='JSONL with "prompt" (and optional "output_len"), or one prompt per line',
+    )
     p.add_argument("--num-prompts", type=int, default=50)
     p.add_argument("--random-input-len", type=int, default=256)
-    p.add_argument("--random-output-len", type=int, default=64,
-                   help="output length of random prompts, and of file prompts without one")
-    p.add_argument("--random-range-ratio", type=float, default=0.0,
-                   help="lengths are uniform in [len * ratio, len] (SGLang); 1.0 = fixed lengths")
-    p.add_argument("--request-rate", type=float, default=float("inf"),
-                   help="requests per second, Poisson arrivals; inf sends all at once")
+    p.add_argument(
+        "--random-output-len",
+        type=int,
+        default=64,
+        help="output length of random prompts, and of file prompts without one",
+    )
+    p.add_argument(
+        "--random-range-ratio",
+        type=float,
+        default=0.0,
+        help="lengths are uniform in [len * ratio, len] (SGLang); 1.0 = fixed lengths",
+    )
+    p.add_argument(
+        "--request-rate",
+        type=float,
+        default=float("inf"),
+        help="requests per second, Poisson arrivals; inf sends all at once",
+    )
     p.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight")
     p.add_argument("--disable-stream", action="store_true")
     p.add_argument("--disable-ignore-eos", action="store_true")
-    p.add_argument("--extra-request-body", default=None,
-                   help="JSON object merged into every request body")
+    p.add_argument(
+        "--extra-request-body", default=None, help="JSON object merged into every request body"
+    )
     p.add_argument("--warmup-requests", type=int, default=1)
     p.add_argument("--output-file", help="append one JSONL record per run")
-    p.add_argument("--launch-server", action="store_true",
-                   help="start `python -m runtime.launch_server` (one per variant), stop it "
-                   "after")
+    p.add_argument(
+        "--launch-server",
+        action="store_true",
+        help="start `python -m runtime.launch_server` (one per variant), stop it after",
+    )
     p.add_argument("--server-args", default="", help="extra launch_server flags, one string")
-    p.add_argument("--server-timeout", type=float, default=600.0,
-                   help="seconds to wait for a launched server's /health")
+    p.add_argument(
+        "--server-timeout",
+        type=float,
+        default=600.0,
+        help="seconds to wait for a launched server's /health",
+    )
     args = p.parse_args(argv)
     if args.num_prompts < 1:
         p.error("--num-prompts must be >= 1")
@@ -120,6 +154,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 # --------------------------------------------------------------------------------------
 # HTTP helpers
 
+
 def http_get_json(base_url: str, path: str, timeout: float = 30.0) -> dict:
     import requests
 
@@ -135,9 +170,10 @@ def check_reachable(base_url: str) -> None:
     try:
         requests.get(base_url + "/health", timeout=10)
     except requests.RequestException as err:
-        raise RuntimeError(f"no server answers at {base_url} ({type(err).__name__}); start "
-                           "one with `python -m runtime.launch_server` or pass --launch-server"
-                           ) from None
+        raise RuntimeError(
+            f"no server answers at {base_url} ({type(err).__name__}); start "
+            "one with `python -m runtime.launch_server` or pass --launch-server"
+        ) from None
 
 
 def server_accept_length(info: dict) -> float | None:
@@ -158,6 +194,7 @@ def served_model_name(base_url: str, requested: str | None) -> str | None:
 
 # --------------------------------------------------------------------------------------
 # dataset
+
 
 @dataclass
 class BenchRequest:
@@ -183,8 +220,10 @@ def model_vocab_size(model_path: str | None, tokenizer) -> int:
             return int(size)
     if tokenizer is not None:
         return len(tokenizer)
-    raise ValueError("cannot tell the model's vocabulary size: the server's model path is not "
-                     "readable here; pass --tokenizer")
+    raise ValueError(
+        "cannot tell the model's vocabulary size: the server's model path is not "
+        "readable here; pass --tokenizer"
+    )
 
 
 def random_texts(rng: random.Random, tokenizer, lengths: list[int]) -> list[str]:
@@ -192,8 +231,9 @@ def random_texts(rng: random.Random, tokenizer, lengths: list[int]) -> list[str]
     reports how many tokens each becomes."""
     special = set(tokenizer.all_special_ids)
     usable = [i for i in range(len(tokenizer)) if i not in special]
-    return [tokenizer.decode([usable[rng.randrange(len(usable))] for _ in range(n)])
-            for n in lengths]
+    return [
+        tokenizer.decode([usable[rng.randrange(len(usable))] for _ in range(n)]) for n in lengths
+    ]
 
 
 def build_dataset(args, info: dict) -> list[BenchRequest]:
@@ -208,22 +248,31 @@ def build_dataset(args, info: dict) -> list[BenchRequest]:
             raise ValueError("random text needs a tokenizer: pass --tokenizer")
         tokenizer = load_tokenizer(tokenizer_path)
     if args.dataset_name == "file":
-        records = read_prompt_file(args.dataset_path)[:args.num_prompts]
-        return [BenchRequest(r["prompt"], None,
-                             len(tokenizer.encode(r["prompt"])) if tokenizer else 0,
-                             r["output_len"] or args.random_output_len) for r in records]
+        records = read_prompt_file(args.dataset_path)[: args.num_prompts]
+        return [
+            BenchRequest(
+                r["prompt"],
+                None,
+                len(tokenizer.encode(r["prompt"])) if tokenizer else 0,
+                r["output_len"] or args.random_output_len,
+            )
+            for r in records
+        ]
     ins = random_lengths(rng, args.num_prompts, args.random_input_len, args.random_range_ratio)
     outs = random_lengths(rng, args.num_prompts, args.random_output_len, args.random_range_ratio)
     if args.backend == "sglang":
         vocab = model_vocab_size(info.get("model_path"), tokenizer)
-        return [BenchRequest(None, random_token_ids(rng, n, vocab), n, m)
-                for n, m in zip(ins, outs, strict=True)]
+        return [
+            BenchRequest(None, random_token_ids(rng, n, vocab), n, m)
+            for n, m in zip(ins, outs, strict=True)
+        ]
     texts = random_texts(rng, tokenizer, ins)
     return [BenchRequest(t, None, n, m) for t, n, m in zip(texts, ins, outs, strict=True)]
 
 
 # --------------------------------------------------------------------------------------
 # one request
+
 
 @dataclass
 class RequestOutput:
@@ -250,15 +299,25 @@ def sse_events(resp):
 def payload_for(args, req: BenchRequest, model: str | None) -> dict:
     stream, ignore_eos = not args.disable_stream, not args.disable_ignore_eos
     if args.backend == "sglang":
-        body = {"sampling_params": {"temperature": 0.0, "max_new_tokens": req.output_len,
-                                    "ignore_eos": ignore_eos}, "stream": stream}
+        body = {
+            "sampling_params": {
+                "temperature": 0.0,
+                "max_new_tokens": req.output_len,
+                "ignore_eos": ignore_eos,
+            },
+            "stream": stream,
+        }
         if req.input_ids is not None:
             body["input_ids"] = req.input_ids
         else:
             body["text"] = req.prompt
     else:
-        body = {"max_tokens": req.output_len, "temperature": 0.0, "ignore_eos": ignore_eos,
-                "stream": stream}
+        body = {
+            "max_tokens": req.output_len,
+            "temperature": 0.0,
+            "ignore_eos": ignore_eos,
+            "stream": stream,
+        }
         if model:
             body["model"] = model
         if stream:
@@ -279,8 +338,12 @@ def send_request(base_url: str, args, req: BenchRequest, model: str | None) -> R
     out = RequestOutput(prompt_len=req.prompt_len)
     start = time.perf_counter()
     try:
-        with requests.post(base_url + BACKENDS[args.backend], json=payload_for(args, req, model),
-                           stream=True, timeout=REQUEST_TIMEOUT_S) as resp:
+        with requests.post(
+            base_url + BACKENDS[args.backend],
+            json=payload_for(args, req, model),
+            stream=True,
+            timeout=REQUEST_TIMEOUT_S,
+        ) as resp:
             if resp.status_code != 200:
                 out.error = f"HTTP {resp.status_code}: {resp.text[:500]}"
                 return out
@@ -375,6 +438,7 @@ def read_openai_stream(resp, start: float, out: RequestOutput, chat: bool) -> No
 # --------------------------------------------------------------------------------------
 # the run
 
+
 def arrival_times(count: int, rate: float, seed: int) -> list[float]:
     """SGLang's arrivals: the first at 0, then exponential gaps (Poisson process)."""
     if rate == float("inf"):
@@ -426,9 +490,13 @@ def calculate_metrics(outputs: list[RequestOutput], duration: float) -> dict:
     itl = percentiles([x for o in ok for x in o.itl])
     tpot = percentiles([(o.latency - o.ttft) / (o.output_len - 1) for o in ok if o.output_len > 1])
     metrics = {
-        "duration": duration, "completed": len(ok), "failed": len(outputs) - len(ok),
-        "total_input_tokens": total_in, "total_output_tokens": total_out,
-        "request_throughput": len(ok) / duration, "input_throughput": total_in / duration,
+        "duration": duration,
+        "completed": len(ok),
+        "failed": len(outputs) - len(ok),
+        "total_input_tokens": total_in,
+        "total_output_tokens": total_out,
+        "request_throughput": len(ok) / duration,
+        "input_throughput": total_in / duration,
         "output_throughput": total_out / duration,
         "total_throughput": (total_in + total_out) / duration,
         "concurrency": sum(o.latency for o in ok) / duration,
@@ -477,10 +545,15 @@ def benchmark(args, base_url: str, variant: Variant | None) -> dict:
     model = served_model_name(base_url, args.served_model) if args.backend != "sglang" else None
     dataset = build_dataset(args, info)
     spec = info.get("speculative_algorithm")
-    label = variant.label if variant else (
-        f"{spec}(steps={info.get('speculative_num_steps')})" if spec else "plain")
-    print(f"\nserver {base_url}: model {info.get('model_path')}, dtype {info.get('dtype')}, "
-          f"decoding {label}, {len(dataset)} prompts, backend {args.backend}")
+    label = (
+        variant.label
+        if variant
+        else (f"{spec}(steps={info.get('speculative_num_steps')})" if spec else "plain")
+    )
+    print(
+        f"\nserver {base_url}: model {info.get('model_path')}, dtype {info.get('dtype')}, "
+        f"decoding {label}, {len(dataset)} prompts, backend {args.backend}"
+    )
     for _ in range(args.warmup_requests):
         warm = send_request(base_url, args, dataset[0], model)
         if not warm.success:
@@ -493,23 +566,32 @@ def benchmark(args, base_url: str, variant: Variant | None) -> dict:
     # cumulative since the server started (SGLang reads it the same way): includes warm-up
     metrics["accept_length"] = server_accept_length(http_get_json(base_url, "/get_server_info"))
     print_result(args, metrics)
-    record = {"backend": args.backend, "variant": label, "dataset_name": args.dataset_name,
-              "request_rate": "inf" if args.request_rate == float("inf") else args.request_rate,
-              "max_concurrency": args.max_concurrency, "num_prompts": len(dataset),
-              "random_input_len": args.random_input_len,
-              "random_output_len": args.random_output_len,
-              "random_range_ratio": args.random_range_ratio, "model_path": info.get("model_path"),
-              "speculative_algorithm": spec,
-              "speculative_num_steps": info.get("speculative_num_steps"),
-              "stream": not args.disable_stream, "ignore_eos": not args.disable_ignore_eos,
-              "threads": args.threads if args.launch_server else None,
-              "time": time.strftime("%Y-%m-%dT%H:%M:%S"), **metrics}
+    record = {
+        "backend": args.backend,
+        "variant": label,
+        "dataset_name": args.dataset_name,
+        "request_rate": "inf" if args.request_rate == float("inf") else args.request_rate,
+        "max_concurrency": args.max_concurrency,
+        "num_prompts": len(dataset),
+        "random_input_len": args.random_input_len,
+        "random_output_len": args.random_output_len,
+        "random_range_ratio": args.random_range_ratio,
+        "model_path": info.get("model_path"),
+        "speculative_algorithm": spec,
+        "speculative_num_steps": info.get("speculative_num_steps"),
+        "stream": not args.disable_stream,
+        "ignore_eos": not args.disable_ignore_eos,
+        "threads": args.threads if args.launch_server else None,
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        **metrics,
+    }
     append_jsonl(args.output_file, record)
     return record
 
 
 # --------------------------------------------------------------------------------------
 # launched servers
+
 
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -524,9 +606,21 @@ class LaunchedServer:
     def __init__(self, args, variant: Variant):
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "runtime.launch_server", "--host", "127.0.0.1",
-               "--port", str(self.port), "--dtype", args.dtype, "--log-level", "warning",
-               "--max-running-requests", str(args.max_running_requests)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "runtime.launch_server",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--dtype",
+            args.dtype,
+            "--log-level",
+            "warning",
+            "--max-running-requests",
+            str(args.max_running_requests),
+        ]
         if args.model_path:
             cmd += ["--model-path", args.model_path]
         for name, value in (variant.spec or {}).items():
@@ -534,17 +628,23 @@ class LaunchedServer:
         cmd += shlex.split(args.server_args)
         self.cmd, self.timeout = cmd, args.server_timeout
         # the server's torch threads follow OMP_NUM_THREADS: the same for every variant
-        self.env = {**os.environ, "OMP_NUM_THREADS": str(args.threads),
-                    "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT),
-                                                                os.environ.get("PYTHONPATH")]))}
-        self.log = tempfile.NamedTemporaryFile("w+", prefix="bench_server_", suffix=".log",
-                                               delete=False)
+        self.env = {
+            **os.environ,
+            "OMP_NUM_THREADS": str(args.threads),
+            "PYTHONPATH": os.pathsep.join(
+                filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])
+            ),
+        }
+        self.log = tempfile.NamedTemporaryFile(
+            "w+", prefix="bench_server_", suffix=".log", delete=False
+        )
         self.proc = None
 
     def __enter__(self) -> LaunchedServer:
         print(f"launching: {shlex.join(self.cmd)} (log: {self.log.name})", flush=True)
-        self.proc = subprocess.Popen(self.cmd, cwd=str(REPO_ROOT), env=self.env, stdout=self.log,
-                                     stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(
+            self.cmd, cwd=str(REPO_ROOT), env=self.env, stdout=self.log, stderr=subprocess.STDOUT
+        )
         try:
             self.wait_ready()
         except BaseException:
@@ -561,16 +661,18 @@ class LaunchedServer:
         deadline = time.monotonic() + self.timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"the server exited with code {self.proc.returncode}:\n"
-                                   f"{self.log_tail()}")
+                raise RuntimeError(
+                    f"the server exited with code {self.proc.returncode}:\n{self.log_tail()}"
+                )
             try:
                 if requests.get(self.base_url + "/health", timeout=2).status_code == 200:
                     return
             except requests.RequestException:
                 pass
             time.sleep(0.25)
-        raise RuntimeError(f"the server was not healthy after {self.timeout:.0f} s:\n"
-                           f"{self.log_tail()}")
+        raise RuntimeError(
+            f"the server was not healthy after {self.timeout:.0f} s:\n{self.log_tail()}"
+        )
 
     def log_tail(self, lines: int = 30) -> str:
         self.log.flush()
@@ -595,12 +697,27 @@ def print_ratios(records: list[dict], variants: list[Variant]) -> None:
     for record, v in zip(records, variants, strict=True):
         if v.is_plain:
             continue
-        print(ratio_line(f"{v.label}/plain output token throughput", record["output_throughput"],
-                         plain["output_throughput"]))
-        print(ratio_line(f"{v.label}/plain total token throughput", record["total_throughput"],
-                         plain["total_throughput"]))
-        print(ratio_line(f"plain/{v.label} mean TPOT (speedup)", plain["mean_tpot_ms"],
-                         record["mean_tpot_ms"]))
+        print(
+            ratio_line(
+                f"{v.label}/plain output token throughput",
+                record["output_throughput"],
+                plain["output_throughput"],
+            )
+        )
+        print(
+            ratio_line(
+                f"{v.label}/plain total token throughput",
+                record["total_throughput"],
+                plain["total_throughput"],
+            )
+        )
+        print(
+            ratio_line(
+                f"plain/{v.label} mean TPOT (speedup)",
+                plain["mean_tpot_ms"],
+                record["mean_tpot_ms"],
+            )
+        )
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -614,8 +731,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     try:
         if not args.launch_server:
             if args.speculative_algorithm:
-                print("note: speculative flags apply with --launch-server; the running server's "
-                      "own settings decide here", file=sys.stderr)
+                print(
+                    "note: speculative flags apply with --launch-server; the running server's "
+                    "own settings decide here",
+                    file=sys.stderr,
+                )
             base_url = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
             check_reachable(base_url)
             records.append(benchmark(args, base_url, None))

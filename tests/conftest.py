@@ -20,5 +20,6 @@ def tiny_v4(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_v4_hc2(tmp_path_factory):
     """hc_mult 2, sharded into 3 files."""
-    return build_tiny_v4_checkpoint(tmp_path_factory.mktemp("tiny_v4_hc2"), seed=1, num_shards=3,
-                                    hc_mult=2)
+    return build_tiny_v4_checkpoint(
+        tmp_path_factory.mktemp("tiny_v4_hc2"), seed=1, num_shards=3, hc_mult=2
+    )

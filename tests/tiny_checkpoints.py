@@ -35,8 +35,12 @@ def tiny_v4_config(**overrides) -> dict:
         "o_groups": 2,
         "o_lora_rank": 12,
         "sliding_window": 8,
-        "layer_types": ["sliding_attention", "compressed_sparse_attention",
-                        "heavily_compressed_attention", "compressed_sparse_attention"],
+        "layer_types": [
+            "sliding_attention",
+            "compressed_sparse_attention",
+            "heavily_compressed_attention",
+            "compressed_sparse_attention",
+        ],
         "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 16},
         "num_hash_layers": 1,
         "index_n_heads": 16,
@@ -55,8 +59,13 @@ def tiny_v4_config(**overrides) -> dict:
         "rms_norm_eps": 1e-6,
         "rope_theta": 10000.0,
         "compress_rope_theta": 160000.0,
-        "rope_scaling": {"type": "yarn", "factor": 16, "original_max_position_embeddings": 64,
-                         "beta_fast": 32, "beta_slow": 1},
+        "rope_scaling": {
+            "type": "yarn",
+            "factor": 16,
+            "original_max_position_embeddings": 64,
+            "beta_fast": 32,
+            "beta_slow": 1,
+        },
         "max_position_embeddings": 1024,
         "num_nextn_predict_layers": 1,
         "bos_token_id": 0,
@@ -73,8 +82,10 @@ def _randomise_(model: torch.nn.Module, generator: torch.Generator, num_experts:
         if "inv_freq" in name:
             continue
         if name.endswith("tid2eid"):
-            rows = [torch.randperm(num_experts, generator=generator)[:tensor.shape[1]]
-                    for _ in range(tensor.shape[0])]
+            rows = [
+                torch.randperm(num_experts, generator=generator)[: tensor.shape[1]]
+                for _ in range(tensor.shape[0])
+            ]
             tensor.data.copy_(torch.stack(rows))
             continue
         noise = torch.randn(tensor.shape, generator=generator)
@@ -82,7 +93,9 @@ def _randomise_(model: torch.nn.Module, generator: torch.Generator, num_experts:
             value = 1.0 + 0.1 * noise
         elif name.endswith(("scale", "hc_scale")):
             value = 1.0 + 0.2 * noise
-        elif name.endswith(("sinks", "base", "hc_base", "position_bias", "e_score_correction_bias")):
+        elif name.endswith(
+            ("sinks", "base", "hc_base", "position_bias", "e_score_correction_bias")
+        ):
             value = 0.3 * noise
         elif name.endswith(("fn", "hc_fn")):
             value = 0.1 * noise
@@ -92,7 +105,9 @@ def _randomise_(model: torch.nn.Module, generator: torch.Generator, num_experts:
         tensor.data.copy_(value)
 
 
-def released_state_dict(hf_state: dict[str, torch.Tensor], intermediate: int) -> dict[str, torch.Tensor]:
+def released_state_dict(
+    hf_state: dict[str, torch.Tensor], intermediate: int
+) -> dict[str, torch.Tensor]:
     """transformers names -> released names, routed experts split per expert."""
     out: dict[str, torch.Tensor] = {}
     for name, tensor in hf_state.items():
@@ -113,15 +128,18 @@ def released_state_dict(hf_state: dict[str, torch.Tensor], intermediate: int) ->
 def make_hf_v4_model(config: dict, seed: int = 0):
     from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
 
-    hf_config = DeepseekV4Config(**{k: v for k, v in config.items() if k not in ("architectures", "model_type")})
+    hf_config = DeepseekV4Config(
+        **{k: v for k, v in config.items() if k not in ("architectures", "model_type")}
+    )
     torch.manual_seed(seed)
     model = DeepseekV4ForCausalLM(hf_config).float().eval()
     _randomise_(model, torch.Generator().manual_seed(seed), hf_config.n_routed_experts)
     return model
 
 
-def save_released_checkpoint(path: Path, config: dict, state: dict[str, torch.Tensor],
-                             num_shards: int = 1) -> Path:
+def save_released_checkpoint(
+    path: Path, config: dict, state: dict[str, torch.Tensor], num_shards: int = 1
+) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(config, indent=2))
     names = sorted(state)
@@ -134,7 +152,9 @@ def save_released_checkpoint(path: Path, config: dict, state: dict[str, torch.Te
         part = {n: state[n] for n in names[shard::num_shards]}
         save_file(part, str(path / file))
         weight_map.update(dict.fromkeys(part, file))
-    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    (path / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": weight_map})
+    )
     return path
 
 
@@ -150,28 +170,33 @@ def mtp_state(config: dict, seed: int) -> tuple[dict[str, torch.Tensor], torch.n
     """Random `mtp.0.*` tensors in the released naming, and the transformers model whose last
     decoder layer is the MTP block (the dense oracle reuses it)."""
     num_layers = config["num_hidden_layers"]
-    plus = {**config, "num_hidden_layers": num_layers + 1,
-            "layer_types": list(config["layer_types"]) + ["sliding_attention"]}
+    plus = {
+        **config,
+        "num_hidden_layers": num_layers + 1,
+        "layer_types": list(config["layer_types"]) + ["sliding_attention"],
+    }
     model = make_hf_v4_model(plus, seed + 100)
     released = released_state_dict(model.state_dict(), config["moe_intermediate_size"])
     prefix = f"layers.{num_layers}."
-    state = {"mtp.0." + k[len(prefix):]: v for k, v in released.items() if k.startswith(prefix)}
+    state = {"mtp.0." + k[len(prefix) :]: v for k, v in released.items() if k.startswith(prefix)}
     g = torch.Generator().manual_seed(seed + 200)
     hidden, hc = config["hidden_size"], config["hc_mult"]
 
     def noise(*shape):
         return torch.randn(shape, generator=g)
 
-    state.update({
-        "mtp.0.enorm.weight": 1 + 0.1 * noise(hidden),
-        "mtp.0.hnorm.weight": 1 + 0.1 * noise(hidden),
-        "mtp.0.norm.weight": 1 + 0.1 * noise(hidden),
-        "mtp.0.e_proj.weight": noise(hidden, hidden) / hidden**0.5,
-        "mtp.0.h_proj.weight": noise(hidden, hidden) / hidden**0.5,
-        "mtp.0.hc_head_fn": 0.1 * noise(hc, hc * hidden),
-        "mtp.0.hc_head_base": 0.3 * noise(hc),
-        "mtp.0.hc_head_scale": 1 + 0.2 * noise(1),
-    })
+    state.update(
+        {
+            "mtp.0.enorm.weight": 1 + 0.1 * noise(hidden),
+            "mtp.0.hnorm.weight": 1 + 0.1 * noise(hidden),
+            "mtp.0.norm.weight": 1 + 0.1 * noise(hidden),
+            "mtp.0.e_proj.weight": noise(hidden, hidden) / hidden**0.5,
+            "mtp.0.h_proj.weight": noise(hidden, hidden) / hidden**0.5,
+            "mtp.0.hc_head_fn": 0.1 * noise(hc, hc * hidden),
+            "mtp.0.hc_head_base": 0.3 * noise(hc),
+            "mtp.0.hc_head_scale": 1 + 0.2 * noise(1),
+        }
+    )
     return state, model
 
 
@@ -185,8 +210,10 @@ def build_tiny_v4_mtp_checkpoint(path: Path, seed: int = 0, num_shards: int = 1,
     return save_released_checkpoint(path, config, state, num_shards), target, mtp_model
 
 
-CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
-                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
 
 
 def save_char_tokenizer(path: Path, vocab_size: int) -> None:
@@ -197,19 +224,27 @@ def save_char_tokenizer(path: Path, vocab_size: int) -> None:
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    chars = (" " + string.ascii_letters + string.digits + "!\"#$%&'()*+,-./:;<=>?@[\\]^_{|}~")[:vocab_size - 3]
+    chars = (" " + string.ascii_letters + string.digits + "!\"#$%&'()*+,-./:;<=>?@[\\]^_{|}~")[
+        : vocab_size - 3
+    ]
     vocab = {"<bos>": 0, "<eos>": 1, "<pad>": 2, **{c: i + 3 for i, c in enumerate(chars)}}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tok.decoder = decoders.Fuse()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>",
-                                   pad_token="<pad>", unk_token="<pad>")
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<bos>",
+        eos_token="<eos>",
+        pad_token="<pad>",
+        unk_token="<pad>",
+    )
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(str(path))
 
 
 # ---------------------------------------------------------------------------------------
 # Qwen4Exp
+
 
 def tiny_qwen4_exp_config(**overrides) -> dict:
     config = {
@@ -218,14 +253,23 @@ def tiny_qwen4_exp_config(**overrides) -> dict:
         "vocab_size": 128,
         "hidden_size": 64,
         "num_hidden_layers": 4,
-        "layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+        "layer_types": [
+            "linear_attention",
+            "linear_attention",
+            "linear_attention",
+            "full_attention",
+        ],
         "num_attention_heads": 4,
         "num_key_value_heads": 2,
         "head_dim": 32,
         "hidden_act": "silu",
         "output_gate_type": "sigmoid",
         "rms_norm_eps": 1e-6,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 10000000.0,
+            "partial_rotary_factor": 0.25,
+        },
         "linear_num_key_heads": 2,
         "linear_num_value_heads": 4,
         "linear_key_head_dim": 16,
@@ -283,8 +327,13 @@ def _randomise_qwen_(model: torch.nn.Module, generator: torch.Generator) -> None
 def make_hf_qwen4_exp_model(config: dict, seed: int = 0):
     from transformers import Qwen4ExpForCausalLM, Qwen4ExpTextConfig
 
-    hf_config = Qwen4ExpTextConfig(**{k: v for k, v in config.items()
-                                      if k not in ("architectures", "model_type", "mtp_num_hidden_layers")})
+    hf_config = Qwen4ExpTextConfig(
+        **{
+            k: v
+            for k, v in config.items()
+            if k not in ("architectures", "model_type", "mtp_num_hidden_layers")
+        }
+    )
     torch.manual_seed(seed)
     model = Qwen4ExpForCausalLM(hf_config).float().eval()
     _randomise_qwen_(model, torch.Generator().manual_seed(seed))
@@ -303,27 +352,39 @@ def qwen_mtp_state(config: dict, seed: int) -> tuple[dict[str, torch.Tensor], to
     """The 31 `mtp.*` tensors of a Qwen4Exp checkpoint (released names), and the
     transformers model whose last decoder layer is the MTP layer (for the dense oracle)."""
     layers = config["num_hidden_layers"]
-    plus = {**config, "num_hidden_layers": layers + 1,
-            "layer_types": list(config["layer_types"]) + ["full_attention"]}
+    plus = {
+        **config,
+        "num_hidden_layers": layers + 1,
+        "layer_types": list(config["layer_types"]) + ["full_attention"],
+    }
     model = make_hf_qwen4_exp_model(plus, seed + 100)
     prefix = f"model.layers.{layers}."
-    state = {"mtp.layers.0." + k[len(prefix):]: v.clone() for k, v in model.state_dict().items()
-             if k.startswith(prefix)}
+    state = {
+        "mtp.layers.0." + k[len(prefix) :]: v.clone()
+        for k, v in model.state_dict().items()
+        if k.startswith(prefix)
+    }
     g = torch.Generator().manual_seed(seed + 200)
     hidden, n, r = config["hidden_size"], config["hc_count"], config["hc_lowrank"]
 
     def noise(*shape, scale=1.0):
         return scale * torch.randn(shape, generator=g)
 
-    state.update({
-        "mtp.fc_embedding.weight": noise(hidden, hidden, scale=hidden**-0.5),
-        "mtp.fc_hidden.weight": noise(hidden, hidden, scale=hidden**-0.5),
-        "mtp.pre_fc_norm_embedding.weight": noise(hidden, scale=0.1),
-        "mtp.pre_fc_norm_hidden.weight": noise(n * hidden, scale=0.1),
-        "mtp.hyper_connection_mixer.hc_norm.weight": noise(n * hidden, scale=0.1),
-        "mtp.hyper_connection_mixer.input_mix_weight_down.weight": noise(r, n * hidden, scale=(n * hidden)**-0.5),
-        "mtp.hyper_connection_mixer.input_mix_weight_up.weight": noise(n * hidden, r, scale=r**-0.5),
-    })
+    state.update(
+        {
+            "mtp.fc_embedding.weight": noise(hidden, hidden, scale=hidden**-0.5),
+            "mtp.fc_hidden.weight": noise(hidden, hidden, scale=hidden**-0.5),
+            "mtp.pre_fc_norm_embedding.weight": noise(hidden, scale=0.1),
+            "mtp.pre_fc_norm_hidden.weight": noise(n * hidden, scale=0.1),
+            "mtp.hyper_connection_mixer.hc_norm.weight": noise(n * hidden, scale=0.1),
+            "mtp.hyper_connection_mixer.input_mix_weight_down.weight": noise(
+                r, n * hidden, scale=(n * hidden) ** -0.5
+            ),
+            "mtp.hyper_connection_mixer.input_mix_weight_up.weight": noise(
+                n * hidden, r, scale=r**-0.5
+            ),
+        }
+    )
     return state, model
 
 

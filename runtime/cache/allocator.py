@@ -14,8 +14,10 @@ import torch
 class PagedTokenAllocator:
     def __init__(self, num_pages: int, page_size: int, device: torch.device | str = "cpu"):
         if page_size < 1 or num_pages < 1:
-            raise ValueError(f"need at least one page of at least one slot (pages={num_pages}, "
-                             f"page_size={page_size})")
+            raise ValueError(
+                f"need at least one page of at least one slot (pages={num_pages}, "
+                f"page_size={page_size})"
+            )
         self.num_pages, self.page_size, self.device = num_pages, page_size, device
         self._free_pages = list(range(num_pages - 1, -1, -1))
 
@@ -33,8 +35,8 @@ class PagedTokenAllocator:
         """`count` free pages, or None (nothing taken) when there are not enough."""
         if count > len(self._free_pages):
             return None
-        pages = self._free_pages[len(self._free_pages) - count:]
-        del self._free_pages[len(self._free_pages) - count:]
+        pages = self._free_pages[len(self._free_pages) - count :]
+        del self._free_pages[len(self._free_pages) - count :]
         return pages
 
     def free_pages(self, pages: list[int]) -> None:

@@ -45,17 +45,26 @@ def compressor_overlap(ratio: int) -> int:
 
 
 class DeepseekV4KVPool:
-    def __init__(self, layout: DeepseekV4CacheLayout, max_reqs: int, num_pages: int,
-                 page_size: int, max_tokens_per_pass: int, dtype: torch.dtype,
-                 device: torch.device | str = "cpu"):
+    def __init__(
+        self,
+        layout: DeepseekV4CacheLayout,
+        max_reqs: int,
+        num_pages: int,
+        page_size: int,
+        max_tokens_per_pass: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ):
         """`max_tokens_per_pass`: the most positions one request writes in a single
         verify/draft forward that may later be rejected (speculative draft tokens + 1)."""
         self.layout, self.max_reqs, self.page_size = layout, max_reqs, page_size
         self.num_pages, self.dtype, self.device = num_pages, dtype, device
         self.swa_ring = layout.sliding_window + max_tokens_per_pass
         self._max_pass = max_tokens_per_pass
-        self.swa_kv = [torch.zeros((max_reqs * self.swa_ring, layout.head_dim), dtype=dtype, device=device)
-                       for _ in layout.compress_ratios]
+        self.swa_kv = [
+            torch.zeros((max_reqs * self.swa_ring, layout.head_dim), dtype=dtype, device=device)
+            for _ in layout.compress_ratios
+        ]
         self.compressor_state: dict[int, torch.Tensor] = {}
         self.compressed_kv: dict[int, torch.Tensor] = {}
         self.indexer_state: dict[int, torch.Tensor] = {}
@@ -78,8 +87,9 @@ class DeepseekV4KVPool:
 
     def _state_buffer(self, ratio: int, dim: int) -> torch.Tensor:
         width = 2 * compressor_overlap(ratio) * dim
-        return torch.zeros((self.max_reqs * self.state_ring(ratio), width), dtype=torch.float32,
-                           device=self.device)
+        return torch.zeros(
+            (self.max_reqs * self.state_ring(ratio), width), dtype=torch.float32, device=self.device
+        )
 
     def _compressed_buffer(self, ratio: int, dim: int, dtype: torch.dtype) -> torch.Tensor:
         rows = self.num_pages * self.compressed_rows_per_page(ratio)
@@ -89,7 +99,9 @@ class DeepseekV4KVPool:
     def swa_loc(self, req_pool_indices: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return req_pool_indices * self.swa_ring + positions % self.swa_ring
 
-    def state_loc(self, ratio: int, req_pool_indices: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def state_loc(
+        self, ratio: int, req_pool_indices: torch.Tensor, positions: torch.Tensor
+    ) -> torch.Tensor:
         ring = self.state_ring(ratio)
         return req_pool_indices * ring + positions % ring
 
@@ -103,12 +115,19 @@ class DeepseekV4KVPool:
 
     # reporting ----------------------------------------------------------------------------
     def nbytes(self) -> int:
-        buffers = [*self.swa_kv, *self.compressor_state.values(), *self.compressed_kv.values(),
-                   *self.indexer_state.values(), *self.indexer_k.values()]
+        buffers = [
+            *self.swa_kv,
+            *self.compressor_state.values(),
+            *self.compressed_kv.values(),
+            *self.indexer_state.values(),
+            *self.indexer_k.values(),
+        ]
         return sum(b.numel() * b.element_size() for b in buffers)
 
     def describe(self) -> str:
         ratios = sorted({r for r in self.layout.compress_ratios if r > 1})
-        return (f"DeepSeek-V4 cache: {len(self.layout.compress_ratios)} layers, SWA ring "
-                f"{self.swa_ring} rows x {self.max_reqs} requests, compress ratios {ratios}, "
-                f"{self.nbytes() / 2**20:.1f} MiB")
+        return (
+            f"DeepSeek-V4 cache: {len(self.layout.compress_ratios)} layers, SWA ring "
+            f"{self.swa_ring} rows x {self.max_reqs} requests, compress ratios {ratios}, "
+            f"{self.nbytes() / 2**20:.1f} MiB"
+        )

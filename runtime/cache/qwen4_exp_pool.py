@@ -38,9 +38,18 @@ class Qwen4ExpCacheLayout:
 
 
 class Qwen4ExpKVPool:
-    def __init__(self, layout: Qwen4ExpCacheLayout, max_reqs: int, num_pages: int, page_size: int,
-                 max_tokens_per_pass: int, dtype: torch.dtype, device="cpu", reuses_qsa_selection: bool = False,
-                 max_context: int = 0):
+    def __init__(
+        self,
+        layout: Qwen4ExpCacheLayout,
+        max_reqs: int,
+        num_pages: int,
+        page_size: int,
+        max_tokens_per_pass: int,
+        dtype: torch.dtype,
+        device="cpu",
+        reuses_qsa_selection: bool = False,
+        max_context: int = 0,
+    ):
         self.layout, self.dtype, self.device, self.max_reqs = layout, dtype, device, max_reqs
         self.reuses_qsa_selection = reuses_qsa_selection
         slots = num_pages * page_size
@@ -52,21 +61,37 @@ class Qwen4ExpKVPool:
             return torch.zeros(shape, dtype=dt, device=device)
 
         kinds = layout.layer_kinds
-        self.k_cache = {i: zeros(slots, layout.num_kv_heads, layout.head_dim) for i, k in enumerate(kinds)
-                        if k == "attention"}
+        self.k_cache = {
+            i: zeros(slots, layout.num_kv_heads, layout.head_dim)
+            for i, k in enumerate(kinds)
+            if k == "attention"
+        }
         self.v_cache = {i: zeros(slots, layout.num_kv_heads, layout.head_dim) for i in self.k_cache}
         self.index_cache = {i: zeros(slots, layout.index_head_dim) for i in self.k_cache}
         linear = [i for i, k in enumerate(kinds) if k == "linear"]
         state = (layout.num_v_heads, layout.head_k_dim, layout.head_v_dim)
         self.conv_state = {i: zeros(max_reqs * self.conv_ring, layout.conv_dim) for i in linear}
         self.ssm_state = {i: zeros(max_reqs, *state, dt=torch.float32) for i in linear}
-        self.ssm_snapshots = {i: zeros(max_reqs, max_tokens_per_pass, *state, dt=torch.float32) for i in linear}
-        self.ple_tokens = {i: zeros(max_reqs * self.token_ring, dt=torch.long) for i in layout.ple_layers}
-        self.ple_conv = {i: zeros(max_reqs * self.ple_conv_ring, layout.hc_width) for i in layout.ple_layers}
+        self.ssm_snapshots = {
+            i: zeros(max_reqs, max_tokens_per_pass, *state, dt=torch.float32) for i in linear
+        }
+        self.ple_tokens = {
+            i: zeros(max_reqs * self.token_ring, dt=torch.long) for i in layout.ple_layers
+        }
+        self.ple_conv = {
+            i: zeros(max_reqs * self.ple_conv_ring, layout.hc_width) for i in layout.ple_layers
+        }
         max_blocks = max(1, max_context // max(layout.qsa_ratio, 1))
-        self.qsa_blocks = ({i: zeros(max_reqs, max_blocks, dt=torch.bool) for i in self.k_cache}
-                           if reuses_qsa_selection else {})
-        self.qsa_tail = ({i: zeros(max_reqs, dt=torch.long) for i in self.k_cache} if reuses_qsa_selection else {})
+        self.qsa_blocks = (
+            {i: zeros(max_reqs, max_blocks, dt=torch.bool) for i in self.k_cache}
+            if reuses_qsa_selection
+            else {}
+        )
+        self.qsa_tail = (
+            {i: zeros(max_reqs, dt=torch.long) for i in self.k_cache}
+            if reuses_qsa_selection
+            else {}
+        )
 
     # speculative decoding -----------------------------------------------------------------
     def commit_verified(self, req_pool_indices: torch.Tensor, num_accepted: torch.Tensor) -> None:
@@ -101,8 +126,18 @@ class Qwen4ExpKVPool:
 
     # reporting ----------------------------------------------------------------------------
     def _buffers(self):
-        for group in (self.k_cache, self.v_cache, self.index_cache, self.conv_state, self.ssm_state,
-                      self.ssm_snapshots, self.ple_tokens, self.ple_conv, self.qsa_blocks, self.qsa_tail):
+        for group in (
+            self.k_cache,
+            self.v_cache,
+            self.index_cache,
+            self.conv_state,
+            self.ssm_state,
+            self.ssm_snapshots,
+            self.ple_tokens,
+            self.ple_conv,
+            self.qsa_blocks,
+            self.qsa_tail,
+        ):
             yield from group.values()
 
     def nbytes(self) -> int:
@@ -110,5 +145,8 @@ class Qwen4ExpKVPool:
 
     def describe(self) -> str:
         kinds = self.layout.layer_kinds
-        return (f"Qwen4Exp cache: {kinds.count('attention')} attention + {kinds.count('linear')} Gated DeltaNet "
-                f"layers, {len(self.layout.ple_layers)} PLE, {self.nbytes() / 2**20:.1f} MiB")
+        return (
+            f"Qwen4Exp cache: {kinds.count('attention')} attention + "
+            f"{kinds.count('linear')} Gated DeltaNet layers, {len(self.layout.ple_layers)} PLE, "
+            f"{self.nbytes() / 2**20:.1f} MiB"
+        )

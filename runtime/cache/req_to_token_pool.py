@@ -9,7 +9,9 @@ import torch
 class ReqToTokenPool:
     def __init__(self, max_reqs: int, max_context_len: int, device: torch.device | str = "cpu"):
         self.max_reqs, self.max_context_len = max_reqs, max_context_len
-        self.req_to_token = torch.zeros((max_reqs, max_context_len), dtype=torch.long, device=device)
+        self.req_to_token = torch.zeros(
+            (max_reqs, max_context_len), dtype=torch.long, device=device
+        )
         self._free = list(range(max_reqs - 1, -1, -1))
 
     def available(self) -> int:

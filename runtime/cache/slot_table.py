@@ -41,7 +41,9 @@ class SlotTable:
     def reserve(self, req_pool_idx: int, num_tokens: int) -> bool:
         """Make positions `[0, num_tokens)` addressable; False (nothing taken) if out of pages."""
         if num_tokens > self.req_pool.max_context_len:
-            raise ValueError(f"{num_tokens} tokens exceed the context length {self.req_pool.max_context_len}")
+            raise ValueError(
+                f"{num_tokens} tokens exceed the context length {self.req_pool.max_context_len}"
+            )
         need = self.pages_needed(req_pool_idx, num_tokens)
         if need == 0:
             return True
@@ -53,13 +55,15 @@ class SlotTable:
         owned.extend(new_pages)
         slots = self.allocator.page_slots(new_pages)
         end = min(start + slots.shape[0], self.req_pool.max_context_len)
-        self.req_to_token[req_pool_idx, start:end] = slots[:end - start]
+        self.req_to_token[req_pool_idx, start:end] = slots[: end - start]
         return True
 
     def slots(self, req_pool_idx: int, start: int, end: int) -> torch.Tensor:
         if end > self.reserved_tokens(req_pool_idx):
-            raise ValueError(f"positions up to {end} requested but only "
-                             f"{self.reserved_tokens(req_pool_idx)} reserved")
+            raise ValueError(
+                f"positions up to {end} requested but only "
+                f"{self.reserved_tokens(req_pool_idx)} reserved"
+            )
         return self.req_to_token[req_pool_idx, start:end]
 
     def release(self, req_pool_idx: int) -> None:

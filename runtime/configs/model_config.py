@@ -16,9 +16,14 @@ from typing import Any
 import torch
 
 _DTYPES = {
-    "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
+    "float32": torch.float32,
+    "float": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "fp16": torch.float16,
 }
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -61,31 +66,49 @@ class ModelConfig:
         return {eos} if isinstance(eos, int) else set(eos)
 
     @classmethod
-    def from_path(cls, model_path: str | Path, dtype: str | torch.dtype = "auto",
-                  context_length: int | None = None) -> ModelConfig:
+    def from_path(
+        cls,
+        model_path: str | Path,
+        dtype: str | torch.dtype = "auto",
+        context_length: int | None = None,
+    ) -> ModelConfig:
         path = Path(model_path)
         if not path.is_dir():
-            raise FileNotFoundError(f"model path '{model_path}' does not exist or is not a directory: "
-                                    "pass --model-path pointing to a checkpoint directory "
-                                    "(config.json + *.safetensors)")
+            raise FileNotFoundError(
+                f"model path '{model_path}' does not exist or is not a directory: "
+                "pass --model-path pointing to a checkpoint directory "
+                "(config.json + *.safetensors)"
+            )
         config_file = path / "config.json"
         if not config_file.is_file():
-            raise FileNotFoundError(f"no config.json in '{model_path}': is this a checkpoint directory?")
+            raise FileNotFoundError(
+                f"no config.json in '{model_path}': is this a checkpoint directory?"
+            )
         try:
             raw = json.loads(config_file.read_text())
         except json.JSONDecodeError as err:
             raise ValueError(f"config.json in '{model_path}' is not valid JSON: {err}") from None
         hf_config = _load_hf_config(path, raw)
-        architectures = tuple(raw.get("architectures") or getattr(hf_config, "architectures", None) or ())
+        architectures = tuple(
+            raw.get("architectures") or getattr(hf_config, "architectures", None) or ()
+        )
         if not architectures:
             raise ValueError(f"config.json in '{model_path}' names no `architectures`")
         max_positions = getattr(hf_config, "max_position_embeddings", None) or 4096
         if context_length is not None and context_length > max_positions:
-            raise ValueError(f"--context-length {context_length} exceeds the model's "
-                             f"max_position_embeddings ({max_positions})")
+            raise ValueError(
+                f"--context-length {context_length} exceeds the model's "
+                f"max_position_embeddings ({max_positions})"
+            )
         config_dtype = getattr(hf_config, "dtype", None) or raw.get("torch_dtype")
-        return cls(str(path), hf_config, raw, architectures, resolve_dtype(dtype, config_dtype),
-                   context_length or max_positions)
+        return cls(
+            str(path),
+            hf_config,
+            raw,
+            architectures,
+            resolve_dtype(dtype, config_dtype),
+            context_length or max_positions,
+        )
 
 
 def _load_hf_config(path: Path, raw: dict):
@@ -94,5 +117,7 @@ def _load_hf_config(path: Path, raw: dict):
     try:
         return AutoConfig.from_pretrained(str(path))
     except (ValueError, KeyError) as err:
-        raise ValueError(f"transformers cannot read config.json of '{path}' "
-                         f"(model_type={raw.get('model_type')!r}): {err}") from None
+        raise ValueError(
+            f"transformers cannot read config.json of '{path}' "
+            f"(model_type={raw.get('model_type')!r}): {err}"
+        ) from None

@@ -19,8 +19,13 @@ class SpeculativeConfig:
     num_draft_tokens: int  # verify width N = S + 1
 
     @classmethod
-    def resolve(cls, algorithm: str | None, num_steps: int | None = None, eagle_topk: int | None = None,
-                num_draft_tokens: int | None = None) -> SpeculativeConfig | None:
+    def resolve(
+        cls,
+        algorithm: str | None,
+        num_steps: int | None = None,
+        eagle_topk: int | None = None,
+        num_draft_tokens: int | None = None,
+    ) -> SpeculativeConfig | None:
         """None when speculation is off. Raises ValueError with the fix for bad settings."""
         if algorithm is None or str(algorithm).upper() in ("", "NONE"):
             if any(v is not None for v in (num_steps, eagle_topk, num_draft_tokens)):
@@ -28,17 +33,26 @@ class SpeculativeConfig:
             return None
         name = ALGORITHM_ALIASES.get(str(algorithm).upper())
         if name is None:
-            raise ValueError(f"unknown --speculative-algorithm '{algorithm}'; supported: NEXTN "
-                             "(aliases MTP, EAGLE)")
+            raise ValueError(
+                f"unknown --speculative-algorithm '{algorithm}'; supported: NEXTN "
+                "(aliases MTP, EAGLE)"
+            )
         steps = 3 if num_steps is None else int(num_steps)
         if steps < 1:
             raise ValueError(f"--speculative-num-steps must be >= 1, got {steps}")
         topk = 1 if eagle_topk is None else int(eagle_topk)
         if topk != 1:
-            raise ValueError(f"--speculative-eagle-topk {topk} is not supported: only chain drafting "
-                             "(topk 1) is implemented; tree drafting is not. Use --speculative-eagle-topk 1.")
+            raise ValueError(
+                f"--speculative-eagle-topk {topk} is not supported: only chain drafting "
+                "(topk 1) is implemented; tree drafting is not. Use --speculative-eagle-topk 1."
+            )
         tokens = steps + 1
         if num_draft_tokens is not None and int(num_draft_tokens) != tokens:
-            logger.warning("--speculative-num-draft-tokens %s does not match chain drafting with %d "
-                           "steps; using %d (steps + 1)", num_draft_tokens, steps, tokens)
+            logger.warning(
+                "--speculative-num-draft-tokens %s does not match chain drafting with %d "
+                "steps; using %d (steps + 1)",
+                num_draft_tokens,
+                steps,
+                tokens,
+            )
         return cls(name, steps, topk, tokens)

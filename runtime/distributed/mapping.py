@@ -62,8 +62,15 @@ class Mapping:
         return cls()
 
     @classmethod
-    def for_ranks(cls, tp_rank: int = 0, tp_size: int = 1, ep_rank: int = 0, ep_size: int = 1,
-                  tp_group: Any = None, ep_group: Any = None) -> Mapping:
+    def for_ranks(
+        cls,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        ep_rank: int = 0,
+        ep_size: int = 1,
+        tp_group: Any = None,
+        ep_group: Any = None,
+    ) -> Mapping:
         return cls(
             attn=AttentionMapping(ParallelGroup(tp_rank, tp_size, tp_group)),
             moe=MoEMapping(ParallelGroup(ep_rank, ep_size, ep_group)),

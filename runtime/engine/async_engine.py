@@ -26,7 +26,9 @@ logger = logging.getLogger(__name__)
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine, on_step: Callable[[Engine, list[Req], float], None] | None = None):
+    def __init__(
+        self, engine: Engine, on_step: Callable[[Engine, list[Req], float], None] | None = None
+    ):
         self.engine, self.on_step = engine, on_step
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._subscribers: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -65,11 +67,11 @@ class AsyncEngine:
 
     async def generate(self, req: Req) -> dict:
         """The finished request's result."""
-        snapshot = None
-        async for snapshot in self.stream(req):
-            pass
-        snapshot.pop("finished")
-        return snapshot
+        last = None
+        async for update in self.stream(req):
+            last = update
+        last.pop("finished")
+        return last
 
     def abort(self, rid: str) -> None:
         self._inbox.put(("abort", rid))

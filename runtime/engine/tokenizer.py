@@ -9,7 +9,9 @@ from pathlib import Path
 def load_tokenizer(path: str | Path):
     """A transformers tokenizer from `path`, or None when the directory has no tokenizer files."""
     path = Path(path)
-    if not any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+    if not any(
+        (path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+    ):
         return None
     from transformers import AutoTokenizer
 

@@ -82,21 +82,29 @@ class ForwardContext:
         device = req_to_token.device
         prefix_cpu, extend_cpu = [int(x) for x in prefix_lens], [int(x) for x in extend_lens]
         if len(prefix_cpu) != len(extend_cpu) or len(prefix_cpu) != len(req_pool_indices):
-            raise ValueError("req_pool_indices, prefix_lens and extend_lens must have one entry per request")
+            raise ValueError(
+                "req_pool_indices, prefix_lens and extend_lens must have one entry per request"
+            )
         bs = len(prefix_cpu)
         num_tokens = sum(extend_cpu)
         if out_cache_loc is not None and out_cache_loc.shape[0] != num_tokens:
-            raise ValueError(f"out_cache_loc has {out_cache_loc.shape[0]} slots for {num_tokens} tokens")
+            raise ValueError(
+                f"out_cache_loc has {out_cache_loc.shape[0]} slots for {num_tokens} tokens"
+            )
         req_pool_indices = torch.as_tensor(list(req_pool_indices), dtype=torch.long, device=device)
         prefix = torch.tensor(prefix_cpu, dtype=torch.long, device=device)
         extend = torch.tensor(extend_cpu, dtype=torch.long, device=device)
         token_to_req = torch.repeat_interleave(torch.arange(bs, device=device), extend)
         start_loc = torch.cumsum(extend, 0) - extend
-        positions = prefix[token_to_req] + torch.arange(num_tokens, device=device) - start_loc[token_to_req]
+        positions = (
+            prefix[token_to_req] + torch.arange(num_tokens, device=device) - start_loc[token_to_req]
+        )
         if out_cache_loc is None:
             out_cache_loc = req_to_token[req_pool_indices[token_to_req], positions]
         if isinstance(logits_row_indices, Sequence):
-            logits_row_indices = torch.tensor(list(logits_row_indices), dtype=torch.long, device=device)
+            logits_row_indices = torch.tensor(
+                list(logits_row_indices), dtype=torch.long, device=device
+            )
         return cls(
             forward_mode=forward_mode,
             batch_size=bs,

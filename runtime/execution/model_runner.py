@@ -41,16 +41,30 @@ class ModelInput:
 
 
 class ModelRunner:
-    def __init__(self, model_config: ModelConfig, slot_table: SlotTable, max_tokens_per_pass: int = 1,
-                 mapping: Mapping | None = None, model_cls: type | None = None,
-                 device: str = "cpu", progress: bool = True):
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        slot_table: SlotTable,
+        max_tokens_per_pass: int = 1,
+        mapping: Mapping | None = None,
+        model_cls: type | None = None,
+        device: str = "cpu",
+        progress: bool = True,
+    ):
         self.model_config, self.slot_table, self.device = model_config, slot_table, device
-        self.model = load_model(model_config, mapping or Mapping.single(), model_cls, progress=progress)
+        self.model = load_model(
+            model_config, mapping or Mapping.single(), model_cls, progress=progress
+        )
         self.kv_pool = self.model.create_cache_pool(
-            model_config.hf_config, max_reqs=slot_table.req_pool.max_reqs,
-            num_pages=slot_table.allocator.num_pages, page_size=slot_table.page_size,
-            max_tokens_per_pass=max_tokens_per_pass, dtype=model_config.dtype, device=device,
-            max_context=slot_table.req_pool.max_context_len)
+            model_config.hf_config,
+            max_reqs=slot_table.req_pool.max_reqs,
+            num_pages=slot_table.allocator.num_pages,
+            page_size=slot_table.page_size,
+            max_tokens_per_pass=max_tokens_per_pass,
+            dtype=model_config.dtype,
+            device=device,
+            max_context=slot_table.req_pool.max_context_len,
+        )
         logger.info("%s", self.kv_pool.describe())
 
     def build_context(self, inp: ModelInput) -> ForwardContext:
@@ -58,18 +72,31 @@ class ModelRunner:
         if rows is _DEFAULT_ROWS:
             rows = None
         ctx = ForwardContext.build(
-            inp.forward_mode, inp.req_pool_indices, inp.prefix_lens, inp.extend_lens,
-            out_cache_loc=None, req_to_token=self.slot_table.req_to_token, kv_pool=self.kv_pool,
+            inp.forward_mode,
+            inp.req_pool_indices,
+            inp.prefix_lens,
+            inp.extend_lens,
+            out_cache_loc=None,
+            req_to_token=self.slot_table.req_to_token,
+            kv_pool=self.kv_pool,
             capture_hidden_mode=inp.capture_hidden_mode,
-            logits_row_indices=rows)
+            logits_row_indices=rows,
+        )
         if inp.logits_row_indices is _DEFAULT_ROWS and inp.forward_mode in (
-                ForwardMode.EXTEND, ForwardMode.DRAFT_EXTEND):
+            ForwardMode.EXTEND,
+            ForwardMode.DRAFT_EXTEND,
+        ):
             ctx.logits_row_indices = ctx.last_row_per_request()
         return ctx
 
     @torch.inference_mode()
     def forward(self, inp: ModelInput) -> LogitsProcessorOutput:
         ctx = self.build_context(inp)
-        return self.model(ctx, inp.input_ids.to(self.device), ctx.positions, ctx.out_cache_loc,
-                          captured_hidden_states=inp.captured_hidden_states,
-                          spec_step_idx=inp.spec_step_idx)
+        return self.model(
+            ctx,
+            inp.input_ids.to(self.device),
+            ctx.positions,
+            ctx.out_cache_loc,
+            captured_hidden_states=inp.captured_hidden_states,
+            spec_step_idx=inp.spec_step_idx,
+        )

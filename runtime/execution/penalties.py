@@ -28,11 +28,17 @@ class RowHistory:
 
 def needs_adjustment(req, eos_ids: set[int]) -> bool:
     p = req.sampling_params
-    return (p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 or p.repetition_penalty != 1.0
-            or (p.min_new_tokens > len(req.output_ids) and bool(eos_ids or p.stop_token_ids)))
+    return (
+        p.frequency_penalty != 0.0
+        or p.presence_penalty != 0.0
+        or p.repetition_penalty != 1.0
+        or (p.min_new_tokens > len(req.output_ids) and bool(eos_ids or p.stop_token_ids))
+    )
 
 
-def adjust_logits(logits: torch.Tensor, rows: Sequence[RowHistory], eos_ids: set[int]) -> torch.Tensor:
+def adjust_logits(
+    logits: torch.Tensor, rows: Sequence[RowHistory], eos_ids: set[int]
+) -> torch.Tensor:
     """Returns adjusted logits `[R, V]` (a copy when anything changes)."""
     todo = [i for i, row in enumerate(rows) if needs_adjustment(row.req, eos_ids)]
     if not todo:
@@ -45,12 +51,16 @@ def adjust_logits(logits: torch.Tensor, rows: Sequence[RowHistory], eos_ids: set
         output = list(req.output_ids) + list(extra)
         row = logits[i]
         if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0:
-            counts = torch.bincount(torch.tensor(output, dtype=torch.long), minlength=vocab)[:vocab].to(row.dtype)
+            counts = torch.bincount(torch.tensor(output, dtype=torch.long), minlength=vocab)[
+                :vocab
+            ].to(row.dtype)
             row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
         if p.repetition_penalty != 1.0:
             seen = torch.tensor(sorted(set(req.prompt_ids) | set(output)), dtype=torch.long)
             vals = row[seen]
-            row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+            row[seen] = torch.where(
+                vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty
+            )
         if len(output) < p.min_new_tokens:
             banned = set(eos_ids) | set(p.stop_token_ids or [])
             row[torch.tensor(sorted(banned), dtype=torch.long)] = float("-inf")

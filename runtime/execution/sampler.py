@@ -67,14 +67,20 @@ class SamplingBatch:
     @classmethod
     def from_params(cls, params: Sequence, vocab_size: int, device="cpu") -> SamplingBatch:
         """`params`: objects with temperature / top_p / top_k / min_p / sampling_seed."""
+
         def col(values, dtype):
             return torch.tensor(values, dtype=dtype, device=device)
 
         greedy = [p.temperature == 0.0 or p.top_k == 1 for p in params]
         return cls(
-            temperatures=col([0.0 if g else p.temperature for p, g in zip(params, greedy)], torch.float32),
+            temperatures=col(
+                [0.0 if g else p.temperature for p, g in zip(params, greedy)], torch.float32
+            ),
             top_ps=col([p.top_p for p in params], torch.float32),
-            top_ks=col([vocab_size if p.top_k < 1 else min(p.top_k, vocab_size) for p in params], torch.long),
+            top_ks=col(
+                [vocab_size if p.top_k < 1 else min(p.top_k, vocab_size) for p in params],
+                torch.long,
+            ),
             min_ps=col([p.min_p for p in params], torch.float32),
             seeds=col([p.sampling_seed or 0 for p in params], torch.long),
             has_seed=col([p.sampling_seed is not None for p in params], torch.bool),
@@ -82,8 +88,14 @@ class SamplingBatch:
 
     def select(self, rows: torch.Tensor) -> SamplingBatch:
         """The parameters repeated/picked for `rows` (e.g. every verify row of a request)."""
-        return SamplingBatch(self.temperatures[rows], self.top_ps[rows], self.top_ks[rows],
-                             self.min_ps[rows], self.seeds[rows], self.has_seed[rows])
+        return SamplingBatch(
+            self.temperatures[rows],
+            self.top_ps[rows],
+            self.top_ks[rows],
+            self.min_ps[rows],
+            self.seeds[rows],
+            self.has_seed[rows],
+        )
 
 
 def target_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
@@ -107,8 +119,12 @@ def target_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     return probs
 
 
-def uniforms(batch: SamplingBatch, positions: torch.Tensor, width: int,
-             generator: torch.Generator | None = None) -> torch.Tensor:
+def uniforms(
+    batch: SamplingBatch,
+    positions: torch.Tensor,
+    width: int,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
     """`[R, width]` uniforms: hashed for seeded rows, drawn from `generator` otherwise."""
     drawn = torch.rand((positions.shape[0], width), generator=generator, device=positions.device)
     if batch.has_seed.any():
@@ -117,15 +133,23 @@ def uniforms(batch: SamplingBatch, positions: torch.Tensor, width: int,
     return drawn.clamp_(min=1e-20)
 
 
-def sample_from_probs(probs: torch.Tensor, batch: SamplingBatch, positions: torch.Tensor,
-                      generator: torch.Generator | None = None) -> torch.Tensor:
+def sample_from_probs(
+    probs: torch.Tensor,
+    batch: SamplingBatch,
+    positions: torch.Tensor,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
     """One token per row from `probs [R, V]` (exponential race)."""
     race = -torch.log(uniforms(batch, positions, probs.shape[-1], generator))
     return (probs / race).argmax(dim=-1)
 
 
-def sample(logits: torch.Tensor, batch: SamplingBatch, positions: torch.Tensor,
-           generator: torch.Generator | None = None) -> torch.Tensor:
+def sample(
+    logits: torch.Tensor,
+    batch: SamplingBatch,
+    positions: torch.Tensor,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
     """`logits [R, V]` -> token ids `[R]`; `positions [R]` is each row's output position."""
     if batch.all_greedy:
         return logits.argmax(dim=-1)

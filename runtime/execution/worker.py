@@ -12,6 +12,7 @@ request asked for them, their logprobs. The scheduler applies the finish checks.
 from __future__ import annotations
 
 from collections.abc import Sequence
+
 import torch
 
 from runtime.execution.forward_mode import CaptureHiddenMode, ForwardMode
@@ -21,13 +22,18 @@ from runtime.execution.sampler import SamplingBatch, sample
 from runtime.scheduler.step_io import Chunk, TokenOutput
 
 
-def chunk_input(chunks: Sequence[Chunk], mode: ForwardMode,
-                capture: CaptureHiddenMode = CaptureHiddenMode.NULL) -> ModelInput:
-    ids = [t for c in chunks for t in c.req.all_ids[c.start:c.end]]
-    return ModelInput(mode, torch.tensor(ids, dtype=torch.long),
-                      req_pool_indices=[c.req.req_pool_idx for c in chunks],
-                      prefix_lens=[c.start for c in chunks], extend_lens=[c.length for c in chunks],
-                      capture_hidden_mode=capture)
+def chunk_input(
+    chunks: Sequence[Chunk], mode: ForwardMode, capture: CaptureHiddenMode = CaptureHiddenMode.NULL
+) -> ModelInput:
+    ids = [t for c in chunks for t in c.req.all_ids[c.start : c.end]]
+    return ModelInput(
+        mode,
+        torch.tensor(ids, dtype=torch.long),
+        req_pool_indices=[c.req.req_pool_idx for c in chunks],
+        prefix_lens=[c.start for c in chunks],
+        extend_lens=[c.length for c in chunks],
+        capture_hidden_mode=capture,
+    )
 
 
 def wants_prompt_logprobs(req) -> bool:
@@ -67,8 +73,9 @@ def log_softmax_rows(logits: torch.Tensor) -> torch.Tensor:
     return torch.log_softmax(logits.float(), dim=-1)
 
 
-def token_logprob_outputs(reqs: Sequence, logits: torch.Tensor, tokens: list[list[int]],
-                          row_offsets: list[int]) -> list[tuple[list[float], list | None] | None]:
+def token_logprob_outputs(
+    reqs: Sequence, logits: torch.Tensor, tokens: list[list[int]], row_offsets: list[int]
+) -> list[tuple[list[float], list | None] | None]:
     """Logprobs of each request's new tokens; `logits` rows `row_offsets[b] + i` score
     token i of request b. None for requests that did not ask."""
     out = []
@@ -79,7 +86,7 @@ def token_logprob_outputs(reqs: Sequence, logits: torch.Tensor, tokens: list[lis
             continue
         if logprobs is None:
             logprobs = log_softmax_rows(logits)
-        rows = logprobs[row_offsets[b]:row_offsets[b] + len(tokens[b])]
+        rows = logprobs[row_offsets[b] : row_offsets[b] + len(tokens[b])]
         values = rows.gather(1, torch.tensor(tokens[b]).unsqueeze(1)).squeeze(1).tolist()
         top = None
         if req.top_logprobs_num > 0:
@@ -89,8 +96,14 @@ def token_logprob_outputs(reqs: Sequence, logits: torch.Tensor, tokens: list[lis
     return out
 
 
-def sample_rows(reqs: Sequence, logits: torch.Tensor, extra: Sequence[tuple[int, ...]] | None,
-                vocab_size: int, eos_ids: set[int], generator: torch.Generator | None) -> list[int]:
+def sample_rows(
+    reqs: Sequence,
+    logits: torch.Tensor,
+    extra: Sequence[tuple[int, ...]] | None,
+    vocab_size: int,
+    eos_ids: set[int],
+    generator: torch.Generator | None,
+) -> list[int]:
     """One token per row (`reqs[i]` owns row i, with tentative `extra[i]` tokens appended)."""
     extra = extra or [()] * len(reqs)
     logits = adjust_logits(logits, [RowHistory(r, e) for r, e in zip(reqs, extra)], eos_ids)
@@ -102,7 +115,9 @@ def sample_rows(reqs: Sequence, logits: torch.Tensor, extra: Sequence[tuple[int,
 class PlainWorker:
     supports_mixed = True
 
-    def __init__(self, target: ModelRunner, eos_ids: set[int], generator: torch.Generator | None = None):
+    def __init__(
+        self, target: ModelRunner, eos_ids: set[int], generator: torch.Generator | None = None
+    ):
         self.target, self.eos_ids, self.generator = target, eos_ids, generator
         self.vocab_size = target.model_config.vocab_size
 
@@ -110,30 +125,47 @@ class PlainWorker:
         """Positions past `seq_len` a step may write (none: decode writes `seq_len - 1`)."""
         return 0
 
-    def step(self, prefill: Sequence[Chunk], decode: Sequence) -> tuple[list[TokenOutput], list[TokenOutput]]:
+    def step(
+        self, prefill: Sequence[Chunk], decode: Sequence
+    ) -> tuple[list[TokenOutput], list[TokenOutput]]:
         chunks = list(prefill) + [Chunk(r, r.seq_len - 1, r.seq_len) for r in decode]
         all_single = all(c.length == 1 for c in chunks) and not prefill
         inp = chunk_input(chunks, ForwardMode.DECODE if all_single else ForwardMode.EXTEND)
         rows = LogitRows(chunks)
         inp.logits_row_indices = rows.rows
         logits = self.target.forward(inp).next_token_logits
-        outputs = [TokenOutput() for _ in chunks]
-        sampling = [i for i, c in enumerate(chunks) if c.completes]
-        if sampling:
-            last = logits[[rows.last[i] for i in sampling]]
-            reqs = [chunks[i].req for i in sampling]
-            tokens = sample_rows(reqs, last, None, self.vocab_size, self.eos_ids, self.generator)
-            lp = token_logprob_outputs(reqs, last, [[t] for t in tokens], list(range(len(reqs))))
-            for i, token, logprob in zip(sampling, tokens, lp):
-                outputs[i].tokens = [token]
-                if logprob is not None:
-                    outputs[i].logprobs, outputs[i].top_logprobs = logprob
-        attach_prompt_logprobs(chunks, rows, logits, outputs)
-        return outputs[:len(prefill)], outputs[len(prefill):]
+        outputs = chunk_outputs(chunks, rows, logits, self.vocab_size, self.eos_ids, self.generator)
+        return outputs[: len(prefill)], outputs[len(prefill) :]
 
 
-def attach_prompt_logprobs(chunks: Sequence[Chunk], rows: LogitRows, logits: torch.Tensor,
-                           outputs: list[TokenOutput]) -> None:
+def chunk_outputs(
+    chunks: Sequence[Chunk],
+    rows: LogitRows,
+    logits: torch.Tensor,
+    vocab_size: int,
+    eos_ids: set[int],
+    generator: torch.Generator | None,
+) -> list[TokenOutput]:
+    """Sample the next token of every chunk that reaches its request's end; logprobs where
+    asked (new tokens and prompt tokens)."""
+    outputs = [TokenOutput() for _ in chunks]
+    sampling = [i for i, c in enumerate(chunks) if c.completes]
+    if sampling:
+        last = logits[[rows.last[i] for i in sampling]]
+        reqs = [chunks[i].req for i in sampling]
+        tokens = sample_rows(reqs, last, None, vocab_size, eos_ids, generator)
+        lp = token_logprob_outputs(reqs, last, [[t] for t in tokens], list(range(len(reqs))))
+        for i, token, logprob in zip(sampling, tokens, lp):
+            outputs[i].tokens = [token]
+            if logprob is not None:
+                outputs[i].logprobs, outputs[i].top_logprobs = logprob
+    attach_prompt_logprobs(chunks, rows, logits, outputs)
+    return outputs
+
+
+def attach_prompt_logprobs(
+    chunks: Sequence[Chunk], rows: LogitRows, logits: torch.Tensor, outputs: list[TokenOutput]
+) -> None:
     """Prompt-token logprobs (and None for position 0) of the chunks that asked."""
     for chunk, wanted, out in zip(chunks, rows.prompt, outputs):
         req = chunk.req
@@ -145,5 +177,8 @@ def attach_prompt_logprobs(chunks: Sequence[Chunk], rows: LogitRows, logits: tor
         if wanted:
             lp = log_softmax_rows(logits[[i for _, i in wanted]])
             targets = torch.tensor([req.prompt_ids[pos + 1] for pos, _ in wanted]).unsqueeze(1)
-            entries += [(pos + 1, v) for (pos, _), v in zip(wanted, lp.gather(1, targets).squeeze(1).tolist())]
+            entries += [
+                (pos + 1, v)
+                for (pos, _), v in zip(wanted, lp.gather(1, targets).squeeze(1).tolist())
+            ]
         out.input_logprobs = entries

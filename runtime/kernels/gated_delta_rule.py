@@ -33,9 +33,16 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, state):
     return torch.stack(outs, dim=1), state
 
 
-def chunked_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                             beta: torch.Tensor, state: torch.Tensor, chunk_size: int = 64,
-                             return_states: bool = False):
+def chunked_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    chunk_size: int = 64,
+    return_states: bool = False,
+):
     """`q, k [B, L, H, dk]`, `v [B, L, H, dv]`, `g, beta [B, L, H]`, `state [B, H, dk, dv]`.
 
     Returns `(out [B, L, H, dv], final_state [B, H, dk, dv], states)` where `states` is
@@ -45,7 +52,9 @@ def chunked_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     dv = v.shape[-1]
     chunk = length if return_states else min(chunk_size, max(length, 1))
     pad = (-length) % chunk
-    q, k, v = (F.pad(x.float(), (0, 0, 0, 0, 0, pad)).transpose(1, 2) for x in (q, k, v))  # [B, H, L', d]
+    q, k, v = (
+        F.pad(x.float(), (0, 0, 0, 0, 0, pad)).transpose(1, 2) for x in (q, k, v)
+    )  # [B, H, L', d]
     g, beta = (F.pad(x.float(), (0, 0, 0, pad)).transpose(1, 2) for x in (g, beta))  # [B, H, L']
     n = q.shape[2] // chunk
     q, k, v = (x.reshape(batch, heads, n, chunk, x.shape[-1]) for x in (q, k, v))
@@ -53,14 +62,17 @@ def chunked_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
 
     cum = g.cumsum(-1)  # log decay from the chunk start through each position
     lower = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
-    decay = (cum.unsqueeze(-1) - cum.unsqueeze(-2)).masked_fill(~lower, float("-inf")).exp()  # [.., i, j]
+    decay = (
+        (cum.unsqueeze(-1) - cum.unsqueeze(-2)).masked_fill(~lower, float("-inf")).exp()
+    )  # [.., i, j]
     k_beta, v_beta = k * beta.unsqueeze(-1), v * beta.unsqueeze(-1)
     # (I + strictly-lower(beta K K^T decay)) U = V_beta solves the within-chunk delta writes
     system = (k_beta @ k.transpose(-1, -2)) * decay
     system = system.masked_fill(~lower.tril(-1), 0) + torch.eye(chunk, device=q.device)
     values = torch.linalg.solve_triangular(system, v_beta, upper=False, unitriangular=True)
-    k_decayed = torch.linalg.solve_triangular(system, k_beta * cum.exp().unsqueeze(-1), upper=False,
-                                              unitriangular=True)
+    k_decayed = torch.linalg.solve_triangular(
+        system, k_beta * cum.exp().unsqueeze(-1), upper=False, unitriangular=True
+    )
     attn = (q @ k.transpose(-1, -2)) * decay
     q_decayed = q * cum.exp().unsqueeze(-1)
     k_to_end = k * (cum[..., -1:] - cum).exp().unsqueeze(-1)
@@ -71,9 +83,13 @@ def chunked_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         new_v = values[:, :, c] - k_decayed[:, :, c] @ state  # what the old state does not predict
         outs.append(q_decayed[:, :, c] @ state + attn[:, :, c] @ new_v)
         if return_states:  # S_j = exp(cum_j) S_0 + sum_{i<=j} exp(cum_j - cum_i) k_i new_v_i^T
-            all_states = (cum[:, :, c].exp()[..., None, None] * state.unsqueeze(2)
-                          + torch.einsum("bhji,bhik,bhiv->bhjkv", decay[:, :, c], k[:, :, c], new_v))
-        state = state * cum[:, :, c, -1].exp()[..., None, None] + k_to_end[:, :, c].transpose(-1, -2) @ new_v
+            all_states = cum[:, :, c].exp()[..., None, None] * state.unsqueeze(2) + torch.einsum(
+                "bhji,bhik,bhiv->bhjkv", decay[:, :, c], k[:, :, c], new_v
+            )
+        state = (
+            state * cum[:, :, c, -1].exp()[..., None, None]
+            + k_to_end[:, :, c].transpose(-1, -2) @ new_v
+        )
     out = torch.stack(outs, dim=2).reshape(batch, heads, -1, dv)[:, :, :length].transpose(1, 2)
     if all_states is not None:
         all_states = all_states[:, :, :length].transpose(1, 2)  # [B, L, H, dk, dv]

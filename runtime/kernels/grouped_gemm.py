@@ -13,7 +13,9 @@ import torch
 import torch.nn.functional as F
 
 
-def grouped_gemm_reference(x: torch.Tensor, weight: torch.Tensor, group_ends: torch.Tensor) -> torch.Tensor:
+def grouped_gemm_reference(
+    x: torch.Tensor, weight: torch.Tensor, group_ends: torch.Tensor
+) -> torch.Tensor:
     out = x.new_empty((x.shape[0], weight.shape[1]))
     start = 0
     for g, end in enumerate(group_ends.tolist()):

@@ -13,8 +13,9 @@ from __future__ import annotations
 import torch
 
 
-def sink_attention_reference(q: torch.Tensor, kv: torch.Tensor, valid: torch.Tensor,
-                             sink: torch.Tensor, scale: float) -> torch.Tensor:
+def sink_attention_reference(
+    q: torch.Tensor, kv: torch.Tensor, valid: torch.Tensor, sink: torch.Tensor, scale: float
+) -> torch.Tensor:
     scores = torch.einsum("thd,tkd->thk", q.float(), kv.float()) * scale
     scores = scores.masked_fill(~valid.unsqueeze(1), float("-inf"))
     sink = sink.float().view(1, -1, 1).expand(scores.shape[0], -1, 1)
@@ -23,8 +24,9 @@ def sink_attention_reference(q: torch.Tensor, kv: torch.Tensor, valid: torch.Ten
     return torch.einsum("thk,tkd->thd", probs, kv.float()).to(q.dtype)
 
 
-def sink_attention(q: torch.Tensor, kv: torch.Tensor, valid: torch.Tensor, sink: torch.Tensor,
-                   scale: float) -> torch.Tensor:
+def sink_attention(
+    q: torch.Tensor, kv: torch.Tensor, valid: torch.Tensor, sink: torch.Tensor, scale: float
+) -> torch.Tensor:
     if q.dtype == torch.float32:
         return sink_attention_reference(q, kv, valid, sink, scale)
     # Low-precision inputs: products in the input dtype, statistics in fp32.

@@ -14,8 +14,9 @@ from runtime.execution.forward_context import ForwardContext
 from runtime.layers.position_ring import RingAccess, gather_ring, ring_access
 
 
-def conv_window_access(ctx: ForwardContext, kernel: int, dilation: int, ring: int, num_ring_rows: int,
-                       key: str) -> RingAccess:
+def conv_window_access(
+    ctx: ForwardContext, kernel: int, dilation: int, ring: int, num_ring_rows: int, key: str
+) -> RingAccess:
     """Ring reads of every row's `kernel` taps, built once per forward for all layers alike."""
 
     def build() -> RingAccess:
@@ -26,7 +27,9 @@ def conv_window_access(ctx: ForwardContext, kernel: int, dilation: int, ring: in
     return ctx.memo(key, build)
 
 
-def causal_conv(x: torch.Tensor, weight: torch.Tensor, ring_buf: torch.Tensor, access: RingAccess) -> torch.Tensor:
+def causal_conv(
+    x: torch.Tensor, weight: torch.Tensor, ring_buf: torch.Tensor, access: RingAccess
+) -> torch.Tensor:
     """`x [T, C]` this forward's inputs, `weight [C, K]`; writes the ring and returns `[T, C]`."""
     window = gather_ring(ring_buf, x, access.read_idx)  # [T, K, C]
     window = window.masked_fill(~access.read_valid.unsqueeze(-1), 0)

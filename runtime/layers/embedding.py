@@ -21,22 +21,30 @@ def _padded(vocab_size: int, tp_size: int) -> int:
 
 
 class VocabParallelEmbedding(nn.Module):
-    def __init__(self, num_embeddings: int, embedding_dim: int, tp: ParallelGroup = _SINGLE,
-                 params_dtype=None):
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        tp: ParallelGroup = _SINGLE,
+        params_dtype=None,
+    ):
         super().__init__()
         self.num_embeddings, self.embedding_dim, self.tp = num_embeddings, embedding_dim, tp
         self.rows_per_rank = _padded(num_embeddings, tp.size) // tp.size
         self.vocab_start = tp.rank * self.rows_per_rank
-        self.weight = make_param((self.rows_per_rank, embedding_dim), params_dtype, self.weight_loader)
+        self.weight = make_param(
+            (self.rows_per_rank, embedding_dim), params_dtype, self.weight_loader
+        )
 
     def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor, shard_id=None) -> None:
         if loaded.shape[0] != self.num_embeddings or loaded.shape[1:] != param.shape[1:]:
             raise ValueError(
                 f"vocab table shape mismatch: expected ({self.num_embeddings}, "
-                f"{self.embedding_dim}), got {tuple(loaded.shape)}")
-        rows = loaded[self.vocab_start:self.vocab_start + self.rows_per_rank]
+                f"{self.embedding_dim}), got {tuple(loaded.shape)}"
+            )
+        rows = loaded[self.vocab_start : self.vocab_start + self.rows_per_rank]
         param.data.zero_()
-        copy_checked(param.data[:rows.shape[0]], rows)
+        copy_checked(param.data[: rows.shape[0]], rows)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
@@ -54,7 +62,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = F.linear(hidden, self.weight)
         logits = all_gather_last_dim(logits, self.tp)
-        return logits[..., :self.num_embeddings]
+        return logits[..., : self.num_embeddings]
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         return self.compute_logits(hidden)

@@ -24,14 +24,18 @@ from runtime.layers.norm import OffsetRMSNorm
 
 
 class GatedResidual(nn.Module):
-    def __init__(self, hc_count: int, hidden_size: int, lowrank: int, eps: float, use_combine: bool = True):
+    def __init__(
+        self, hc_count: int, hidden_size: int, lowrank: int, eps: float, use_combine: bool = True
+    ):
         super().__init__()
         self.hc_count, self.hidden_size, self.lowrank = hc_count, hidden_size, lowrank
         width = hc_count * hidden_size
         self.hc_norm = OffsetRMSNorm(width, eps, group_size=hidden_size)
         self.use_combine = use_combine
         if use_combine:  # W_d and W_w share their input: one GEMM
-            self.input_mix_weight_down_block_inject = MergedColumnParallelLinear(width, [lowrank, hc_count])
+            self.input_mix_weight_down_block_inject = MergedColumnParallelLinear(
+                width, [lowrank, hc_count]
+            )
         else:
             self.input_mix_weight_down = ReplicatedLinear(width, lowrank)
         self.input_mix_weight_up = ReplicatedLinear(lowrank, width)
@@ -41,18 +45,27 @@ class GatedResidual(nn.Module):
         n = self.hc_count
         normed = self.hc_norm(streams)
         if self.use_combine:
-            down, inject = self.input_mix_weight_down_block_inject(normed).split([self.lowrank, n], dim=-1)
+            down, inject = self.input_mix_weight_down_block_inject(normed).split(
+                [self.lowrank, n], dim=-1
+            )
         else:
             down, inject = self.input_mix_weight_down(normed), None
         gate = torch.sigmoid(self.input_mix_weight_up(F.silu(down / n)))
-        mixed = (gate.unflatten(-1, (n, self.hidden_size))
-                 * normed.unflatten(-1, (n, self.hidden_size))).mean(dim=-2)
+        mixed = (
+            gate.unflatten(-1, (n, self.hidden_size)) * normed.unflatten(-1, (n, self.hidden_size))
+        ).mean(dim=-2)
         weights = None if inject is None else 2 * torch.sigmoid(inject / n)
         return mixed, weights
 
     @staticmethod
-    def combine(streams: torch.Tensor, block_out: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+    def combine(
+        streams: torch.Tensor, block_out: torch.Tensor, weights: torch.Tensor | None
+    ) -> torch.Tensor:
         """`R + s (x) y` (unit weights when `weights` is None): `[T, n*H]`."""
         n = streams.shape[-1] // block_out.shape[-1]
-        injection = block_out.unsqueeze(-2) if weights is None else block_out.unsqueeze(-2) * weights.unsqueeze(-1)
+        injection = (
+            block_out.unsqueeze(-2)
+            if weights is None
+            else block_out.unsqueeze(-2) * weights.unsqueeze(-1)
+        )
         return streams + injection.expand(-1, n, -1).flatten(-2)

@@ -34,9 +34,15 @@ def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     return comb
 
 
-def hc_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
-           norm_eps: float, hc_eps: float, sinkhorn_iters: int
-           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def hc_pre(
+    x: torch.Tensor,
+    fn: torch.Tensor,
+    scale: torch.Tensor,
+    base: torch.Tensor,
+    norm_eps: float,
+    hc_eps: float,
+    sinkhorn_iters: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Collapse `x [T, hc, H]` into a block input.
 
     Returns `y [T, H]` (x's dtype), `post [T, hc]` and `comb [T, hc, hc]` (fp32), where
@@ -54,16 +60,23 @@ def hc_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.T
     return y, post, comb
 
 
-def hc_post(block_out: torch.Tensor, residual: torch.Tensor, post: torch.Tensor,
-            comb: torch.Tensor) -> torch.Tensor:
+def hc_post(
+    block_out: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
+) -> torch.Tensor:
     """`X'[o] = post[o] * block_out + sum_i comb[i, o] * residual[i]` -> [T, hc, H]."""
     dtype = residual.dtype
     mixed = torch.einsum("tio,tid->tod", comb.to(dtype), residual)
     return post.to(dtype).unsqueeze(-1) * block_out.unsqueeze(1) + mixed
 
 
-def hc_head(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
-            norm_eps: float, hc_eps: float) -> torch.Tensor:
+def hc_head(
+    x: torch.Tensor,
+    fn: torch.Tensor,
+    scale: torch.Tensor,
+    base: torch.Tensor,
+    norm_eps: float,
+    hc_eps: float,
+) -> torch.Tensor:
     """Final collapse of the streams (sigmoid weights, no Sinkhorn): [T, hc, H] -> [T, H]."""
     pre = torch.sigmoid(_mixes(x, fn, norm_eps) * scale.float() + base.float()) + hc_eps
     return (pre.unsqueeze(-1) * x).sum(dim=1).to(x.dtype)

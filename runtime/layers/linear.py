@@ -45,8 +45,15 @@ class ReplicatedLinear(LinearBase):
 class ColumnParallelLinear(LinearBase):
     """Output rows split over `tp`; `gather_output` concatenates the shards back."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False,
-                 tp: ParallelGroup = _SINGLE, gather_output: bool = False, params_dtype=None):
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = False,
+        tp: ParallelGroup = _SINGLE,
+        gather_output: bool = False,
+        params_dtype=None,
+    ):
         self.tp, self.gather_output, self.full_output_size = tp, gather_output, output_size
         start, end = shard_range(output_size, tp.rank, tp.size)
         super().__init__(input_size, end - start, bias, params_dtype)
@@ -72,8 +79,15 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     Each rank keeps its own slice of every stacked matrix, back to back.
     """
 
-    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False,
-                 tp: ParallelGroup = _SINGLE, gather_output: bool = False, params_dtype=None):
+    def __init__(
+        self,
+        input_size: int,
+        output_sizes: list[int],
+        bias: bool = False,
+        tp: ParallelGroup = _SINGLE,
+        gather_output: bool = False,
+        params_dtype=None,
+    ):
         self.output_sizes = list(output_sizes)
         super().__init__(input_size, sum(output_sizes), bias, tp, gather_output, params_dtype)
         shards = {(i,) for i in range(len(self.output_sizes))}
@@ -95,8 +109,11 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
                 self.weight_loader(param, part, i)
             return
         start, end = self._shard_rows(shard_id)
-        copy_checked(param.data[start:end], self._rank_rows(loaded) if self.tp.size > 1 else loaded,
-                     f"shard {shard_id}")
+        copy_checked(
+            param.data[start:end],
+            self._rank_rows(loaded) if self.tp.size > 1 else loaded,
+            f"shard {shard_id}",
+        )
 
     bias_loader = weight_loader
 
@@ -104,8 +121,15 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 class RowParallelLinear(LinearBase):
     """Input columns split over `tp`; partial products are all-reduced."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False,
-                 tp: ParallelGroup = _SINGLE, reduce_results: bool = True, params_dtype=None):
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = False,
+        tp: ParallelGroup = _SINGLE,
+        reduce_results: bool = True,
+        params_dtype=None,
+    ):
         self.tp, self.reduce_results = tp, reduce_results
         start, end = shard_range(input_size, tp.rank, tp.size)
         super().__init__(end - start, output_size, bias, params_dtype)

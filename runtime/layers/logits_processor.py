@@ -25,8 +25,13 @@ class LogitsProcessor(nn.Module):
     all), LAST only for the logit rows.
     """
 
-    def forward(self, hidden: torch.Tensor, lm_head: nn.Module, ctx: ForwardContext,
-                aux_hidden: torch.Tensor | None = None) -> LogitsProcessorOutput:
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        lm_head: nn.Module,
+        ctx: ForwardContext,
+        aux_hidden: torch.Tensor | None = None,
+    ) -> LogitsProcessorOutput:
         rows = ctx.logits_row_indices
         selected = hidden if rows is None else hidden[rows]
         logits = lm_head.compute_logits(selected).float()

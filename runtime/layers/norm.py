@@ -52,7 +52,9 @@ class OffsetRMSNorm(nn.Module):
     hyper-connection stream) while the weight stays per channel.
     """
 
-    def __init__(self, hidden_size: int, eps: float = 1e-6, group_size: int | None = None, params_dtype=None):
+    def __init__(
+        self, hidden_size: int, eps: float = 1e-6, group_size: int | None = None, params_dtype=None
+    ):
         super().__init__()
         if group_size is not None and hidden_size % group_size:
             raise ValueError(f"{hidden_size} channels do not split into groups of {group_size}")
@@ -73,10 +75,14 @@ class GatedRMSNorm(nn.Module):
     output norm); the normalised x is cast to the input dtype before the weight, as in
     transformers' Qwen3.5 `RMSNormGated`."""
 
-    def __init__(self, hidden_size: int, eps: float = 1e-6, activation: str = "silu", params_dtype=None):
+    def __init__(
+        self, hidden_size: int, eps: float = 1e-6, activation: str = "silu", params_dtype=None
+    ):
         super().__init__()
         if activation not in ("silu", "sigmoid"):
-            raise ValueError(f"unsupported gated-norm activation {activation!r}; use silu or sigmoid")
+            raise ValueError(
+                f"unsupported gated-norm activation {activation!r}; use silu or sigmoid"
+            )
         self.eps, self.activation = eps, activation
         self.weight = make_param((hidden_size,), params_dtype)
         nn.init.ones_(self.weight)
@@ -85,5 +91,7 @@ class GatedRMSNorm(nn.Module):
         dtype = x.dtype
         normed = self.weight * rms_normalize(x, self.eps).to(dtype)
         gate = gate.float()
-        act = torch.sigmoid(gate) if self.activation == "sigmoid" else torch.nn.functional.silu(gate)
+        act = (
+            torch.sigmoid(gate) if self.activation == "sigmoid" else torch.nn.functional.silu(gate)
+        )
         return (normed * act).to(dtype)

@@ -43,7 +43,10 @@ def hash_multipliers(vocab_size: int, ngram_size: int, ple_index: int, seed: int
     """One odd multiplier per n-gram position, below 2^63 / vocab so products cannot wrap twice."""
     half_bound = max(1, ((1 << 63) - 1) // max(vocab_size, 1) // 2)
     base = seed + 10007 * ple_index
-    return [2 * (_splitmix64((base + _GAMMA * (i + 1)) & _MASK64) % half_bound) + 1 for i in range(ngram_size)]
+    return [
+        2 * (_splitmix64((base + _GAMMA * (i + 1)) & _MASK64) % half_bound) + 1
+        for i in range(ngram_size)
+    ]
 
 
 def _is_prime(value: int) -> bool:
@@ -72,12 +75,19 @@ class NGramEmbedding(nn.Module):
         self.num_heads = (self.ngram_size - 1) * self.heads_per_ngram
         eos = config.eos_token_id
         self.eos_token_id = eos[0] if isinstance(eos, list) else eos
-        sizes = head_vocab_sizes(config.ngram_vocab_size_base, ple_index * self.num_heads, self.num_heads)
+        sizes = head_vocab_sizes(
+            config.ngram_vocab_size_base, ple_index * self.num_heads, self.num_heads
+        )
         offsets = [sum(sizes[:h]) for h in range(self.num_heads)]
         divisor = config.make_ngram_vocab_size_divisible_by
         rows = -(-sum(sizes) // divisor) * divisor
-        self.register_buffer("multipliers", torch.tensor(
-            hash_multipliers(config.vocab_size, self.ngram_size, ple_index, config.seed)), persistent=False)
+        self.register_buffer(
+            "multipliers",
+            torch.tensor(
+                hash_multipliers(config.vocab_size, self.ngram_size, ple_index, config.seed)
+            ),
+            persistent=False,
+        )
         self.register_buffer("sizes", torch.tensor(sizes), persistent=False)
         self.register_buffer("offsets", torch.tensor(offsets), persistent=False)
         self.weight = make_param((rows, embed_dim // self.num_heads), loader=self._table_loader)
@@ -89,7 +99,11 @@ class NGramEmbedding(nn.Module):
             copy_checked(param.data, loaded)
             return
         rows = -(-param.shape[0] // self.split_parts)
-        copy_checked(param.data[shard_id * rows:shard_id * rows + loaded.shape[0]], loaded, f"shard {shard_id}")
+        copy_checked(
+            param.data[shard_id * rows : shard_id * rows + loaded.shape[0]],
+            loaded,
+            f"shard {shard_id}",
+        )
 
     def forward(self, history: torch.Tensor) -> torch.Tensor:
         """`history [T, ngram_size]` = (t_p, t_{p-1}, t_{p-2}) -> `[T, embed_dim]`."""
@@ -98,7 +112,9 @@ class NGramEmbedding(nn.Module):
         for order in range(1, self.ngram_size):  # bigram heads, then trigram heads
             mixed = torch.bitwise_xor(mixed, history[:, order] * self.multipliers[order])
             heads = slice((order - 1) * self.heads_per_ngram, order * self.heads_per_ngram)
-            ids.append(torch.remainder(mixed.unsqueeze(-1), self.sizes[heads]) + self.offsets[heads])
+            ids.append(
+                torch.remainder(mixed.unsqueeze(-1), self.sizes[heads]) + self.offsets[heads]
+            )
         return F.embedding(torch.cat(ids, dim=-1), self.weight).flatten(1)
 
 
@@ -125,14 +141,22 @@ class PLELayer(nn.Module):
         ring_buf = pool.ple_tokens[self.cache_layer]
         span = self.ple_embedding.ngram_size
         access = conv_window_access(ctx, span, 1, pool.token_ring, ring_buf.shape[0], "ple.tokens")
-        history = gather_ring(ring_buf.unsqueeze(1), input_ids.unsqueeze(1), access.read_idx).squeeze(-1)
-        history = history.masked_fill(~access.read_valid, eos).flip(1)  # (t_p, t_{p-1}, t_{p-2}, ...)
+        history = gather_ring(
+            ring_buf.unsqueeze(1), input_ids.unsqueeze(1), access.read_idx
+        ).squeeze(-1)
+        history = history.masked_fill(~access.read_valid, eos).flip(
+            1
+        )  # (t_p, t_{p-1}, t_{p-2}, ...)
         ring_buf[access.write_loc] = input_ids[access.write_rows]
         for shift in range(2, span):  # older tokens do not reach across an EOS
-            history[:, shift] = torch.where((history[:, 1:shift] == eos).any(1), eos, history[:, shift])
+            history[:, shift] = torch.where(
+                (history[:, 1:shift] == eos).any(1), eos, history[:, shift]
+            )
         return history
 
-    def forward(self, streams: torch.Tensor, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+    def forward(
+        self, streams: torch.Tensor, input_ids: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
         """`streams [T, n*H]` -> the PLE term added to them, `[T, n*H]`."""
         n, hidden = self.hc_count, self.hidden_size
         embeds = self.ple_embedding(self.token_history(input_ids, ctx))
@@ -143,8 +167,18 @@ class PLELayer(nn.Module):
         gate = gate.abs().clamp_min(1e-6).sqrt() * gate.sign()
         gated = (torch.sigmoid(gate) * value.unsqueeze(-2)).flatten(-2)
         pool = ctx.kv_pool
-        access = conv_window_access(ctx, self.kernel, self.dilation, pool.ple_conv_ring,
-                                    pool.ple_conv[self.cache_layer].shape[0], "ple.conv")
-        conv = causal_conv(self.norm_conv(gated), self.conv1d.weight.squeeze(1), pool.ple_conv[self.cache_layer],
-                           access)
+        access = conv_window_access(
+            ctx,
+            self.kernel,
+            self.dilation,
+            pool.ple_conv_ring,
+            pool.ple_conv[self.cache_layer].shape[0],
+            "ple.conv",
+        )
+        conv = causal_conv(
+            self.norm_conv(gated),
+            self.conv1d.weight.squeeze(1),
+            pool.ple_conv[self.cache_layer],
+            access,
+        )
         return gated + F.silu(conv)

@@ -31,8 +31,9 @@ class RingAccess:
     write_loc: torch.Tensor  # [n] their ring rows
 
 
-def ring_access(ctx: ForwardContext, rows: torch.Tensor, key_pos: torch.Tensor, ring: int,
-                 ring_rows: int) -> RingAccess:
+def ring_access(
+    ctx: ForwardContext, rows: torch.Tensor, key_pos: torch.Tensor, ring: int, ring_rows: int
+) -> RingAccess:
     """`rows [R]` input rows, `key_pos [R, L]` absolute positions each of them reads."""
     req = ctx.token_to_req[rows].unsqueeze(1)
     prefix, start = ctx.prefix_lens[req], ctx.extend_start_loc[req]
@@ -50,7 +51,9 @@ def ring_access(ctx: ForwardContext, rows: torch.Tensor, key_pos: torch.Tensor, 
     return RingAccess(read_idx, valid, write_rows, write_loc)
 
 
-def gather_ring(ring_buf: torch.Tensor, fresh: torch.Tensor, read_idx: torch.Tensor) -> torch.Tensor:
+def gather_ring(
+    ring_buf: torch.Tensor, fresh: torch.Tensor, read_idx: torch.Tensor
+) -> torch.Tensor:
     """Rows of the virtual buffer `[ring_buf | fresh]`: `[R, L, D]`."""
     num_ring = ring_buf.shape[0]
     out = ring_buf[read_idx.clamp(max=num_ring - 1)]

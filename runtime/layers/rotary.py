@@ -27,7 +27,9 @@ def _yarn_inv_freq(base: float, dim: int, params: dict) -> tuple[torch.Tensor, f
     ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
     pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
     extrapolation = 1.0 - ramp  # 1 keeps the original frequency, 0 divides it by `factor`
-    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (
+        1.0 / pos_freqs
+    ) * extrapolation
 
     attention_factor = params.get("attention_factor")
     if attention_factor is None:
@@ -36,8 +38,11 @@ def _yarn_inv_freq(base: float, dim: int, params: dict) -> tuple[torch.Tensor, f
         def get_mscale(scale: float, m: float = 1.0) -> float:
             return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
 
-        attention_factor = (get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim)
-                            if mscale and mscale_all_dim else get_mscale(factor))
+        attention_factor = (
+            get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim)
+            if mscale and mscale_all_dim
+            else get_mscale(factor)
+        )
     return inv_freq, float(attention_factor)
 
 
@@ -46,7 +51,9 @@ def rope_inv_freq(params: dict, rotary_dim: int) -> tuple[torch.Tensor, float]:
     rope_type = params.get("rope_type", params.get("type", "default"))
     base = float(params["rope_theta"])
     if rope_type == "default":
-        return 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim)), 1.0
+        return 1.0 / (
+            base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim)
+        ), 1.0
     if rope_type == "linear":
         inv = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim))
         return inv / float(params["factor"]), 1.0
@@ -62,8 +69,13 @@ class RotaryEmbedding(nn.Module):
     rotate_tail: the rotated slice is the last `rotary_dim` channels, else the first.
     """
 
-    def __init__(self, rotary_dim: int, rope_params: dict, interleaved: bool = False,
-                 rotate_tail: bool = False):
+    def __init__(
+        self,
+        rotary_dim: int,
+        rope_params: dict,
+        interleaved: bool = False,
+        rotate_tail: bool = False,
+    ):
         super().__init__()
         if rotary_dim % 2:
             raise ValueError(f"rotary_dim must be even, got {rotary_dim}")
@@ -76,8 +88,9 @@ class RotaryEmbedding(nn.Module):
         freqs = positions.float().unsqueeze(-1) * self.inv_freq
         return freqs.cos() * self.attention_scaling, freqs.sin() * self.attention_scaling
 
-    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-              inverse: bool = False) -> torch.Tensor:
+    def apply(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False
+    ) -> torch.Tensor:
         """Rotate `x` of shape `[T, D]` or `[T, heads, D]`; `inverse` undoes the rotation."""
         if x.dim() == 3:
             cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
@@ -85,12 +98,12 @@ class RotaryEmbedding(nn.Module):
             sin = -sin
         rd, dim = self.rotary_dim, x.shape[-1]
         lo = dim - rd if self.rotate_tail else 0
-        rot = x[..., lo:lo + rd].float()
+        rot = x[..., lo : lo + rd].float()
         if self.interleaved:
             x1, x2 = rot[..., 0::2], rot[..., 1::2]
             out = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
         else:
-            x1, x2 = rot[..., :rd // 2], rot[..., rd // 2:]
+            x1, x2 = rot[..., : rd // 2], rot[..., rd // 2 :]
             out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
         out = out.to(x.dtype)
         if rd == dim:

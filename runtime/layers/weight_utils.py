@@ -29,7 +29,9 @@ def copy_checked(dst: torch.Tensor, src: torch.Tensor, what: str = "") -> None:
 
 def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor, shard_id=None) -> None:
     if shard_id is not None:
-        raise ValueError(f"parameter of shape {tuple(param.shape)} takes no shard id, got {shard_id!r}")
+        raise ValueError(
+            f"parameter of shape {tuple(param.shape)} takes no shard id, got {shard_id!r}"
+        )
     copy_checked(param.data, loaded)
 
 
@@ -38,11 +40,15 @@ def set_weight_loader(param: nn.Parameter, loader: Callable) -> nn.Parameter:
     return param
 
 
-def make_param(shape: tuple[int, ...], dtype: torch.dtype | None = None,
-               loader: Callable = default_weight_loader) -> nn.Parameter:
+def make_param(
+    shape: tuple[int, ...],
+    dtype: torch.dtype | None = None,
+    loader: Callable = default_weight_loader,
+) -> nn.Parameter:
     """An inference parameter (no grad), filled later by its `weight_loader`."""
-    param = nn.Parameter(torch.empty(shape, dtype=dtype or torch.get_default_dtype()),
-                         requires_grad=False)
+    param = nn.Parameter(
+        torch.empty(shape, dtype=dtype or torch.get_default_dtype()), requires_grad=False
+    )
     return set_weight_loader(param, loader)
 
 
@@ -83,8 +89,10 @@ class WeightLoadTracker:
         try:
             loader(param, tensor, *loader_args)
         except WeightShapeError as err:
-            raise ValueError(f"checkpoint tensor '{ckpt_name}' (-> {param_name}) has the wrong shape: "
-                             f"expected {err.expected}, got {err.got}") from None
+            raise ValueError(
+                f"checkpoint tensor '{ckpt_name}' (-> {param_name}) has the wrong shape: "
+                f"expected {err.expected}, got {err.got}"
+            ) from None
         self._seen.setdefault(param_name, set()).add(tuple(loader_args))
         self.loaded_params.add(param_name)
 
@@ -106,8 +114,14 @@ class WeightLoadTracker:
         missing = self.missing()
         if not missing:
             return
-        lines = [f"  {name}" + (f" (missing parts: {parts[:6]}{' ...' if len(parts) > 6 else ''})"
-                                if parts else "") for name, parts in list(missing.items())[:20]]
+        lines = [
+            f"  {name}"
+            + (f" (missing parts: {parts[:6]}{' ...' if len(parts) > 6 else ''})" if parts else "")
+            for name, parts in list(missing.items())[:20]
+        ]
         more = f"\n  ... and {len(missing) - 20} more" if len(missing) > 20 else ""
-        raise ValueError(f"{what}: the checkpoint is missing {len(missing)} required tensor(s):\n"
-                         + "\n".join(lines) + more)
+        raise ValueError(
+            f"{what}: the checkpoint is missing {len(missing)} required tensor(s):\n"
+            + "\n".join(lines)
+            + more
+        )

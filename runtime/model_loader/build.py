@@ -24,7 +24,9 @@ def default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(previous)
 
 
-def build_model(model_config: ModelConfig, mapping: Mapping, model_cls: type | None = None) -> nn.Module:
+def build_model(
+    model_config: ModelConfig, mapping: Mapping, model_cls: type | None = None
+) -> nn.Module:
     """An unfilled model in the compute dtype (fp32 where the model asks for it)."""
     if model_cls is None:
         from runtime.models.registry import resolve_model_class
@@ -35,12 +37,17 @@ def build_model(model_config: ModelConfig, mapping: Mapping, model_cls: type | N
     return model.eval()
 
 
-def load_model(model_config: ModelConfig, mapping: Mapping, model_cls: type | None = None,
-               progress: bool = True) -> nn.Module:
+def load_model(
+    model_config: ModelConfig,
+    mapping: Mapping,
+    model_cls: type | None = None,
+    progress: bool = True,
+) -> nn.Module:
     model = build_model(model_config, mapping, model_cls)
     skip = getattr(model, "skip_checkpoint_weight", None)
     # block_size=None: the FP8 block size comes from the checkpoint's quantization_config
-    weights = checkpoint_weights(model_config.model_path, model_config.dtype, block_size=None,
-                                 progress=progress, skip=skip)
+    weights = checkpoint_weights(
+        model_config.model_path, model_config.dtype, block_size=None, progress=progress, skip=skip
+    )
     model.load_weights(weights)
     return model

@@ -160,7 +160,10 @@ def _tensor_info(path: Path, name: str, entry: object) -> TensorInfo | None:
     if not isinstance(entry, dict):
         return None
     dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
-    ints = (lambda xs: isinstance(xs, list) and all(isinstance(x, int) and x >= 0 for x in xs))
+
+    def ints(xs) -> bool:
+        return isinstance(xs, list) and all(isinstance(x, int) and x >= 0 for x in xs)
+
     if not (isinstance(dtype, str) and ints(shape) and ints(offsets) and len(offsets) == 2):
         return None
     begin, end = offsets
@@ -209,8 +212,9 @@ class CheckpointIndex:
                     self._infos[name] = info
         # Shard order, then storage order inside a shard, so reads go through files sequentially.
         order = {f: i for i, f in enumerate(self.files)}
-        self._names = sorted(self._infos, key=lambda n: (order[self._infos[n].file],
-                                                         self._infos[n].begin, n))
+        self._names = sorted(
+            self._infos, key=lambda n: (order[self._infos[n].file], self._infos[n].begin, n)
+        )
 
     def names(self) -> list[str]:
         """All tensor names, grouped by shard in storage order."""

@@ -27,7 +27,12 @@ from runtime.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from runtime.layers.hyper_connection import hc_head, hc_post, hc_pre
 from runtime.layers.logits_processor import LogitsProcessor, LogitsProcessorOutput
 from runtime.layers.mlp import SwiGLUMLP
-from runtime.layers.moe import ExpertCheckpointSchema, FusedMoEExperts, MoECheckpointLoader, select_experts
+from runtime.layers.moe import (
+    ExpertCheckpointSchema,
+    FusedMoEExperts,
+    MoECheckpointLoader,
+    select_experts,
+)
 from runtime.layers.norm import RMSNorm
 from runtime.layers.rotary import RotaryEmbedding
 from runtime.layers.weight_utils import WeightLoadTracker, make_param
@@ -56,14 +61,18 @@ def is_hash_layer(config, layer_id: int) -> bool:
 def build_ropes(config) -> dict[str, RotaryEmbedding]:
     """`main` for window-only layers (and MTP), `compress` (YaRN) for compressed layers."""
     rotary_dim = config.qk_rope_head_dim
-    return {kind: RotaryEmbedding(rotary_dim, config.rope_parameters[kind], interleaved=True,
-                                  rotate_tail=True)
-            for kind in ("main", "compress")}
+    return {
+        kind: RotaryEmbedding(
+            rotary_dim, config.rope_parameters[kind], interleaved=True, rotate_tail=True
+        )
+        for kind in ("main", "compress")
+    }
 
 
 # ---------------------------------------------------------------------------------------
 # Blocks
 # ---------------------------------------------------------------------------------------
+
 
 class DeepseekV4Gate(nn.Module):
     """Router weights; learned layers carry the selection bias, hash layers `tid2eid`."""
@@ -85,18 +94,29 @@ class DeepseekV4MoE(nn.Module):
         self.renormalize = getattr(config, "norm_topk_prob", True)
         self.routed_scaling_factor = config.routed_scaling_factor
         self.gate = DeepseekV4Gate(config, hashed)
-        self.experts = FusedMoEExperts(config.n_routed_experts, config.hidden_size,
-                                       config.moe_intermediate_size, mapping.moe.ep, config.swiglu_limit)
+        self.experts = FusedMoEExperts(
+            config.n_routed_experts,
+            config.hidden_size,
+            config.moe_intermediate_size,
+            mapping.moe.ep,
+            config.swiglu_limit,
+        )
         shared_width = config.moe_intermediate_size * max(1, getattr(config, "n_shared_experts", 1))
-        self.shared_experts = SwiGLUMLP(config.hidden_size, shared_width, swiglu_limit=config.swiglu_limit)
+        self.shared_experts = SwiGLUMLP(
+            config.hidden_size, shared_width, swiglu_limit=config.swiglu_limit
+        )
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         gate = self.gate
         weights, ids = select_experts(
-            nn.functional.linear(x, gate.weight), self.top_k, self.scoring_func,
+            nn.functional.linear(x, gate.weight),
+            self.top_k,
+            self.scoring_func,
             correction_bias=None if gate.hashed else gate.e_score_correction_bias,
             hash_expert_ids=gate.tid2eid[input_ids] if gate.hashed else None,
-            renormalize=self.renormalize, routed_scaling_factor=self.routed_scaling_factor)
+            renormalize=self.renormalize,
+            routed_scaling_factor=self.routed_scaling_factor,
+        )
         return self.experts(x, weights, ids) + self.shared_experts(x)
 
 
@@ -113,21 +133,36 @@ class DeepseekV4DecoderLayer(nn.Module):
         hc = config.hc_mult
         mix = (2 + hc) * hc
         for part in ("attn", "ffn"):
-            setattr(self, f"hc_{part}_fn", make_param((mix, hc * config.hidden_size), torch.float32))
+            setattr(
+                self, f"hc_{part}_fn", make_param((mix, hc * config.hidden_size), torch.float32)
+            )
             setattr(self, f"hc_{part}_base", make_param((mix,), torch.float32))
             setattr(self, f"hc_{part}_scale", make_param((3,), torch.float32))
         self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.ffn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.attn = DeepseekV4Attention(config, self.compress_ratio,
-                                        layer_id if cache_layer is None else cache_layer)
+        self.attn = DeepseekV4Attention(
+            config, self.compress_ratio, layer_id if cache_layer is None else cache_layer
+        )
         self.ffn = DeepseekV4MoE(config, is_hash_layer(config, layer_id), mapping)
 
     def _hc_pre(self, x: torch.Tensor, part: str):
-        return hc_pre(x, getattr(self, f"hc_{part}_fn"), getattr(self, f"hc_{part}_scale"),
-                      getattr(self, f"hc_{part}_base"), self.norm_eps, self.hc_eps, self.sinkhorn_iters)
+        return hc_pre(
+            x,
+            getattr(self, f"hc_{part}_fn"),
+            getattr(self, f"hc_{part}_scale"),
+            getattr(self, f"hc_{part}_base"),
+            self.norm_eps,
+            self.hc_eps,
+            self.sinkhorn_iters,
+        )
 
-    def forward(self, x: torch.Tensor, ctx: ForwardContext, input_ids: torch.Tensor,
-                ropes: dict[str, RopeInputs]) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        ctx: ForwardContext,
+        input_ids: torch.Tensor,
+        ropes: dict[str, RopeInputs],
+    ) -> torch.Tensor:
         """`x [T, hc, H]` -> `[T, hc, H]`."""
         a, post, comb = self._hc_pre(x, "attn")
         x = hc_post(self.attn(self.attn_norm(a), ctx, ropes[self.rope_kind]), x, post, comb)
@@ -139,20 +174,32 @@ class DeepseekV4Model(nn.Module):
     def __init__(self, config, mapping: Mapping):
         super().__init__()
         self.config, self.hc_mult = config, config.hc_mult
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, mapping.attn.tp)
-        self.layers = nn.ModuleList(DeepseekV4DecoderLayer(config, i, mapping)
-                                    for i in range(config.num_hidden_layers))
+        self.embed_tokens = VocabParallelEmbedding(
+            config.vocab_size, config.hidden_size, mapping.attn.tp
+        )
+        self.layers = nn.ModuleList(
+            DeepseekV4DecoderLayer(config, i, mapping) for i in range(config.num_hidden_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.hc_head_fn = make_param((config.hc_mult, config.hc_mult * config.hidden_size), torch.float32)
+        self.hc_head_fn = make_param(
+            (config.hc_mult, config.hc_mult * config.hidden_size), torch.float32
+        )
         self.hc_head_base = make_param((config.hc_mult,), torch.float32)
         self.hc_head_scale = make_param((1,), torch.float32)
         self.ropes = nn.ModuleDict(build_ropes(config))
 
     def rope_inputs(self, positions: torch.Tensor) -> dict[str, RopeInputs]:
-        return {kind: RopeInputs(rope, *rope.cos_sin(positions)) for kind, rope in self.ropes.items()}
+        return {
+            kind: RopeInputs(rope, *rope.cos_sin(positions)) for kind, rope in self.ropes.items()
+        }
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext,
-                input_embeds: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        ctx: ForwardContext,
+        input_embeds: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns `(normed hidden [T, H], residual streams before hc_head [T, hc*H])`."""
         embeds = self.embed_tokens(input_ids) if input_embeds is None else input_embeds
         x = embeds.unsqueeze(1).expand(-1, self.hc_mult, -1).contiguous()
@@ -160,7 +207,9 @@ class DeepseekV4Model(nn.Module):
         for layer in self.layers:
             x = layer(x, ctx, input_ids, ropes)
         cfg = self.config
-        y = hc_head(x, self.hc_head_fn, self.hc_head_scale, self.hc_head_base, cfg.rms_norm_eps, cfg.hc_eps)
+        y = hc_head(
+            x, self.hc_head_fn, self.hc_head_scale, self.hc_head_base, cfg.rms_norm_eps, cfg.hc_eps
+        )
         return self.norm(y), x.flatten(1)
 
 
@@ -225,8 +274,10 @@ STACKED_PARAMS: tuple[tuple[str, str, int], ...] = (
     ("compressor.fused_wkv_wgate", "compressor.wgate", 1),
 )
 # transformers keeps routed experts fused; they load whole into the fused parameters.
-FUSED_EXPERTS = ((r"\.ffn\.experts\.gate_up_proj$", ".ffn.experts.w13_weight"),
-                 (r"\.ffn\.experts\.down_proj$", ".ffn.experts.w2_weight"))
+FUSED_EXPERTS = (
+    (r"\.ffn\.experts\.gate_up_proj$", ".ffn.experts.w13_weight"),
+    (r"\.ffn\.experts\.down_proj$", ".ffn.experts.w2_weight"),
+)
 EXPERT_SCHEMA = ExpertCheckpointSchema(gate_proj_name="w1", down_proj_name="w2", up_proj_name="w3")
 
 
@@ -266,6 +317,7 @@ def map_released_name(name: str) -> ParamTarget | None:
 # Entry class
 # ---------------------------------------------------------------------------------------
 
+
 class DeepseekV4ForCausalLM(nn.Module):
     """Forward contract: `forward(ctx, input_ids, positions, out_cache_loc, ...)` returns a
     `LogitsProcessorOutput` for `ctx.logits_row_indices`; with hidden capture it carries the
@@ -285,10 +337,16 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.logits_processor = LogitsProcessor()
 
     @torch.no_grad()
-    def forward(self, ctx: ForwardContext, input_ids: torch.Tensor, positions: torch.Tensor,
-                out_cache_loc: torch.Tensor, input_embeds: torch.Tensor | None = None,
-                captured_hidden_states: torch.Tensor | None = None,
-                spec_step_idx: int = 0) -> LogitsProcessorOutput:
+    def forward(
+        self,
+        ctx: ForwardContext,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        out_cache_loc: torch.Tensor,
+        input_embeds: torch.Tensor | None = None,
+        captured_hidden_states: torch.Tensor | None = None,
+        spec_step_idx: int = 0,
+    ) -> LogitsProcessorOutput:
         hidden, streams = self.model(input_ids, positions, ctx, input_embeds)
         return self.logits_processor(hidden, self.lm_head, ctx, aux_hidden=streams)
 
@@ -304,17 +362,36 @@ class DeepseekV4ForCausalLM(nn.Module):
     @classmethod
     def cache_layout(cls, config) -> DeepseekV4CacheLayout:
         return DeepseekV4CacheLayout(
-            compress_ratios=tuple(compress_ratio_of(config, i) for i in range(config.num_hidden_layers)),
-            head_dim=config.head_dim, index_head_dim=config.index_head_dim,
+            compress_ratios=tuple(
+                compress_ratio_of(config, i) for i in range(config.num_hidden_layers)
+            ),
+            head_dim=config.head_dim,
+            index_head_dim=config.index_head_dim,
             sliding_window=config.sliding_window,
-            indexer_ratio=config.compress_rates["compressed_sparse_attention"])
+            indexer_ratio=config.compress_rates["compressed_sparse_attention"],
+        )
 
     @classmethod
-    def create_cache_pool(cls, config, max_reqs: int, num_pages: int, page_size: int,
-                          max_tokens_per_pass: int, dtype: torch.dtype, device="cpu",
-                          max_context: int = 0) -> DeepseekV4KVPool:
-        return DeepseekV4KVPool(cls.cache_layout(config), max_reqs, num_pages, page_size,
-                                max_tokens_per_pass, dtype, device)
+    def create_cache_pool(
+        cls,
+        config,
+        max_reqs: int,
+        num_pages: int,
+        page_size: int,
+        max_tokens_per_pass: int,
+        dtype: torch.dtype,
+        device="cpu",
+        max_context: int = 0,
+    ) -> DeepseekV4KVPool:
+        return DeepseekV4KVPool(
+            cls.cache_layout(config),
+            max_reqs,
+            num_pages,
+            page_size,
+            max_tokens_per_pass,
+            dtype,
+            device,
+        )
 
     # weights ------------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
@@ -325,9 +402,12 @@ class DeepseekV4ForCausalLM(nn.Module):
         return tracker.loaded_params
 
 
-def load_released_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
-                          to_released: Callable[[str], str | None],
-                          shared_params: tuple[str, ...] = ()) -> WeightLoadTracker:
+def load_released_weights(
+    model: nn.Module,
+    weights: Iterable[tuple[str, torch.Tensor]],
+    to_released: Callable[[str], str | None],
+    shared_params: tuple[str, ...] = (),
+) -> WeightLoadTracker:
     """Feed checkpoint tensors to `model`'s parameters through the released naming.
 
     `to_released` turns a checkpoint name into a released name (None skips the tensor);
@@ -347,7 +427,9 @@ def load_released_weights(model: nn.Module, weights: Iterable[tuple[str, torch.T
             if expert.local:
                 tracker.load(raw_name, expert.param, tensor, expert.shard_id, expert.expert_id)
             continue
-        tracker.load(raw_name, target.param, tensor, *(() if target.shard_id is None else (target.shard_id,)))
+        tracker.load(
+            raw_name, target.param, tensor, *(() if target.shard_id is None else (target.shard_id,))
+        )
     return tracker
 
 

@@ -26,12 +26,12 @@ from torch import nn
 from runtime.cache.deepseek_v4_pool import DeepseekV4CacheLayout, DeepseekV4KVPool
 from runtime.distributed import Mapping
 from runtime.execution.forward_context import ForwardContext
+from runtime.layers.attention.deepseek_v4 import RopeInputs
 from runtime.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from runtime.layers.hyper_connection import hc_head
 from runtime.layers.linear import ReplicatedLinear
 from runtime.layers.logits_processor import LogitsProcessor, LogitsProcessorOutput
 from runtime.layers.norm import RMSNorm
-from runtime.layers.attention.deepseek_v4 import RopeInputs
 from runtime.layers.weight_utils import make_param
 from runtime.models.deepseek_v4 import (
     DeepseekV4DecoderLayer,
@@ -39,13 +39,24 @@ from runtime.models.deepseek_v4 import (
     compress_ratio_of,
     load_released_weights,
 )
+from runtime.models.draft_common import SharesTargetEmbedHead
 
-MISSING_MTP_ADVICE = ("Use a checkpoint that includes `mtp.*` weights, or drop "
-                      "--speculative-algorithm to serve without speculative decoding.")
+MISSING_MTP_ADVICE = (
+    "Use a checkpoint that includes `mtp.*` weights, or drop "
+    "--speculative-algorithm to serve without speculative decoding."
+)
 
 # Tensors that sit on the MTP layer itself; everything else belongs to its decoder block.
-_LAYER_LEVEL = ("enorm.", "hnorm.", "e_proj.", "h_proj.", "hc_head_fn", "hc_head_base",
-                "hc_head_scale", "shared_head.")
+_LAYER_LEVEL = (
+    "enorm.",
+    "hnorm.",
+    "e_proj.",
+    "h_proj.",
+    "hc_head_fn",
+    "hc_head_base",
+    "hc_head_scale",
+    "shared_head.",
+)
 _MTP_PREFIX = re.compile(r"^mtp\.(\d+)\.(.*)$")
 _SPEC_LAYER_PREFIX = re.compile(r"^model\.layers\.(\d+)\.(.*)$")
 
@@ -99,9 +110,15 @@ class DeepseekV4MultiTokenPredictorLayer(nn.Module):
         self.shared_head = DeepseekV4MTPSharedHead(config)
         self.mtp_block = DeepseekV4DecoderLayer(config, layer_id, mapping, cache_layer=cache_layer)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, prev_hidden: torch.Tensor,
-                input_embeds: torch.Tensor, ctx: ForwardContext,
-                ropes: dict[str, RopeInputs]) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        prev_hidden: torch.Tensor,
+        input_embeds: torch.Tensor,
+        ctx: ForwardContext,
+        ropes: dict[str, RopeInputs],
+    ) -> torch.Tensor:
         """`prev_hidden [T, hc*H]` -> the block's output streams `[T, hc, H]`."""
         embeds = input_embeds.masked_fill((positions == 0).unsqueeze(-1), 0)
         embeds = self.enorm(embeds)
@@ -111,7 +128,14 @@ class DeepseekV4MultiTokenPredictorLayer(nn.Module):
 
     def logits_hidden(self, streams: torch.Tensor) -> torch.Tensor:
         cfg = self.config
-        y = hc_head(streams, self.hc_head_fn, self.hc_head_scale, self.hc_head_base, cfg.rms_norm_eps, cfg.hc_eps)
+        y = hc_head(
+            streams,
+            self.hc_head_fn,
+            self.hc_head_scale,
+            self.hc_head_base,
+            cfg.rms_norm_eps,
+            cfg.hc_eps,
+        )
         return self.shared_head.norm(y)
 
 
@@ -122,20 +146,28 @@ class DeepseekV4MultiTokenPredictor(nn.Module):
         self.first_layer_id = config.num_hidden_layers
         self.num_mtp_layers = config.num_nextn_predict_layers
         if self.num_mtp_layers < 1:
-            raise ValueError("the checkpoint config has num_nextn_predict_layers = 0: it has no MTP "
-                             "layer to draft with. " + MISSING_MTP_ADVICE)
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, mapping.attn.tp)
-        self.layers = nn.ModuleDict({
-            str(self.first_layer_id + k): DeepseekV4MultiTokenPredictorLayer(
-                config, self.first_layer_id + k, cache_layer=k, mapping=mapping)
-            for k in range(self.num_mtp_layers)})
+            raise ValueError(
+                "the checkpoint config has num_nextn_predict_layers = 0: it has no MTP "
+                "layer to draft with. " + MISSING_MTP_ADVICE
+            )
+        self.embed_tokens = VocabParallelEmbedding(
+            config.vocab_size, config.hidden_size, mapping.attn.tp
+        )
+        self.layers = nn.ModuleDict(
+            {
+                str(self.first_layer_id + k): DeepseekV4MultiTokenPredictorLayer(
+                    config, self.first_layer_id + k, cache_layer=k, mapping=mapping
+                )
+                for k in range(self.num_mtp_layers)
+            }
+        )
         self.ropes = nn.ModuleDict(build_ropes(config))
 
     def layer_for_step(self, spec_step_idx: int) -> DeepseekV4MultiTokenPredictorLayer:
         return self.layers[str(self.first_layer_id + spec_step_idx % self.num_mtp_layers)]
 
 
-class DeepseekV4ForCausalLMNextN(nn.Module):
+class DeepseekV4ForCausalLMNextN(SharesTargetEmbedHead, nn.Module):
     """Same forward contract as the target; `captured_hidden_states [T, hc*H]` is required
     (target streams on the first step, the previous step's output after that). The output's
     hidden states are this step's streams `[T or R, hc*H]`, for chaining."""
@@ -148,64 +180,92 @@ class DeepseekV4ForCausalLMNextN(nn.Module):
         self.logits_processor = LogitsProcessor()
 
     @torch.no_grad()
-    def forward(self, ctx: ForwardContext, input_ids: torch.Tensor, positions: torch.Tensor,
-                out_cache_loc: torch.Tensor, input_embeds: torch.Tensor | None = None,
-                captured_hidden_states: torch.Tensor | None = None,
-                spec_step_idx: int = 0) -> LogitsProcessorOutput:
+    def forward(
+        self,
+        ctx: ForwardContext,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        out_cache_loc: torch.Tensor,
+        input_embeds: torch.Tensor | None = None,
+        captured_hidden_states: torch.Tensor | None = None,
+        spec_step_idx: int = 0,
+    ) -> LogitsProcessorOutput:
         if captured_hidden_states is None:
-            raise ValueError("the DeepSeek-V4 MTP draft needs captured_hidden_states (the target's "
-                             "pre-hc_head streams or the previous draft step's output)")
+            raise ValueError(
+                "the DeepSeek-V4 MTP draft needs captured_hidden_states (the target's "
+                "pre-hc_head streams or the previous draft step's output)"
+            )
         if input_embeds is None:
             input_embeds = self.model.embed_tokens(input_ids)
         layer = self.model.layer_for_step(spec_step_idx)
-        ropes = {kind: RopeInputs(rope, *rope.cos_sin(positions)) for kind, rope in self.model.ropes.items()}
+        ropes = {
+            kind: RopeInputs(rope, *rope.cos_sin(positions))
+            for kind, rope in self.model.ropes.items()
+        }
         streams = layer(input_ids, positions, captured_hidden_states, input_embeds, ctx, ropes)
-        return self.logits_processor(layer.logits_hidden(streams), self.lm_head, ctx,
-                                     aux_hidden=streams.flatten(1))
-
-    # shared embedding / head ---------------------------------------------------------------
-    def get_embed_and_head(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.model.embed_tokens.weight, self.lm_head.weight
-
-    def set_embed_and_head(self, embed: torch.Tensor, head: torch.Tensor) -> None:
-        """Point at the target's tensors (no copy); the draft's own are dropped."""
-        del self.model.embed_tokens.weight
-        del self.lm_head.weight
-        self.model.embed_tokens.weight = embed
-        self.lm_head.weight = head
+        return self.logits_processor(
+            layer.logits_hidden(streams), self.lm_head, ctx, aux_hidden=streams.flatten(1)
+        )
 
     # caches -------------------------------------------------------------------------------
     @classmethod
     def cache_layout(cls, config) -> DeepseekV4CacheLayout:
         first = config.num_hidden_layers
         return DeepseekV4CacheLayout(
-            compress_ratios=tuple(compress_ratio_of(config, first + k)
-                                  for k in range(config.num_nextn_predict_layers)),
-            head_dim=config.head_dim, index_head_dim=config.index_head_dim,
+            compress_ratios=tuple(
+                compress_ratio_of(config, first + k) for k in range(config.num_nextn_predict_layers)
+            ),
+            head_dim=config.head_dim,
+            index_head_dim=config.index_head_dim,
             sliding_window=config.sliding_window,
-            indexer_ratio=config.compress_rates["compressed_sparse_attention"])
+            indexer_ratio=config.compress_rates["compressed_sparse_attention"],
+        )
 
     @classmethod
-    def create_cache_pool(cls, config, max_reqs: int, num_pages: int, page_size: int,
-                          max_tokens_per_pass: int, dtype: torch.dtype, device="cpu",
-                          max_context: int = 0) -> DeepseekV4KVPool:
-        return DeepseekV4KVPool(cls.cache_layout(config), max_reqs, num_pages, page_size,
-                                max_tokens_per_pass, dtype, device)
+    def create_cache_pool(
+        cls,
+        config,
+        max_reqs: int,
+        num_pages: int,
+        page_size: int,
+        max_tokens_per_pass: int,
+        dtype: torch.dtype,
+        device="cpu",
+        max_context: int = 0,
+    ) -> DeepseekV4KVPool:
+        return DeepseekV4KVPool(
+            cls.cache_layout(config),
+            max_reqs,
+            num_pages,
+            page_size,
+            max_tokens_per_pass,
+            dtype,
+            device,
+        )
 
     # weights ------------------------------------------------------------------------------
     def skip_checkpoint_weight(self, name: str) -> bool:
         """Read only the draft's tensors (the trunk's are the target's business)."""
-        return remap_mtp_name(name, self.config.num_hidden_layers, self.config.num_nextn_predict_layers) is None
+        return (
+            remap_mtp_name(
+                name, self.config.num_hidden_layers, self.config.num_nextn_predict_layers
+            )
+            is None
+        )
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         cfg = self.config
         tracker = load_released_weights(
-            self, weights,
+            self,
+            weights,
             lambda name: remap_mtp_name(name, cfg.num_hidden_layers, cfg.num_nextn_predict_layers),
-            shared_params=("model.embed_tokens.weight", "lm_head.weight"))
+            shared_params=("model.embed_tokens.weight", "lm_head.weight"),
+        )
         if not tracker.loaded_params:
-            raise ValueError("the checkpoint has no MTP (NextN) weights (`mtp.*`), so it cannot "
-                             "draft for NEXTN speculative decoding. " + MISSING_MTP_ADVICE)
+            raise ValueError(
+                "the checkpoint has no MTP (NextN) weights (`mtp.*`), so it cannot "
+                "draft for NEXTN speculative decoding. " + MISSING_MTP_ADVICE
+            )
         tracker.raise_if_incomplete(what="DeepSeek-V4 MTP draft")
         return tracker.loaded_params
 

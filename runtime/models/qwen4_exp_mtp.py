@@ -30,6 +30,7 @@ from runtime.layers.gated_residual import GatedResidual
 from runtime.layers.linear import ReplicatedLinear
 from runtime.layers.logits_processor import LogitsProcessor, LogitsProcessorOutput
 from runtime.layers.norm import OffsetRMSNorm
+from runtime.models.draft_common import SharesTargetEmbedHead
 from runtime.models.qwen4_exp import (
     Qwen4ExpDecoderLayer,
     Qwen4ExpForCausalLM,
@@ -39,8 +40,10 @@ from runtime.models.qwen4_exp import (
     text_config,
 )
 
-MISSING_MTP_ADVICE = ("Use a checkpoint that includes `mtp.*` weights, or drop "
-                      "--speculative-algorithm to serve without speculative decoding.")
+MISSING_MTP_ADVICE = (
+    "Use a checkpoint that includes `mtp.*` weights, or drop "
+    "--speculative-algorithm to serve without speculative decoding."
+)
 
 
 def remap_mtp_weight_name(name: str) -> str | None:
@@ -59,7 +62,11 @@ def remap_mtp_weight_name(name: str) -> str | None:
 
 def num_mtp_layers(config) -> int:
     cfg = text_config(config)
-    return int(getattr(cfg, "mtp_num_hidden_layers", None) or getattr(cfg, "num_nextn_predict_layers", 0) or 0)
+    return int(
+        getattr(cfg, "mtp_num_hidden_layers", None)
+        or getattr(cfg, "num_nextn_predict_layers", 0)
+        or 0
+    )
 
 
 class Qwen4ExpMultiTokenPredictor(nn.Module):
@@ -68,8 +75,10 @@ class Qwen4ExpMultiTokenPredictor(nn.Module):
         self.config, self.hc_count, self.hidden_size = config, config.hc_count, config.hidden_size
         self.num_layers = num_mtp_layers(config)
         if self.num_layers < 1:
-            raise ValueError("the checkpoint config has no MTP layer (mtp_num_hidden_layers = 0). "
-                             + MISSING_MTP_ADVICE)
+            raise ValueError(
+                "the checkpoint config has no MTP layer (mtp_num_hidden_layers = 0). "
+                + MISSING_MTP_ADVICE
+            )
         hidden, eps = config.hidden_size, config.rms_norm_eps
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, hidden, mapping.attn.tp)
         self.fc_embedding = ReplicatedLinear(hidden, hidden)
@@ -79,19 +88,37 @@ class Qwen4ExpMultiTokenPredictor(nn.Module):
         self.rope = build_rope(config)
         first = config.num_hidden_layers
         self.layers = nn.ModuleList(
-            Qwen4ExpDecoderLayer(config, first + k, mapping, self.rope, cache_layer=k, kind="attention",
-                                 allow_ple=False)
-            for k in range(self.num_layers))
-        self.hyper_connection_mixer = GatedResidual(config.hc_count, hidden, config.hc_lowrank, eps,
-                                                    use_combine=False)
+            Qwen4ExpDecoderLayer(
+                config,
+                first + k,
+                mapping,
+                self.rope,
+                cache_layer=k,
+                kind="attention",
+                allow_ple=False,
+            )
+            for k in range(self.num_layers)
+        )
+        self.hyper_connection_mixer = GatedResidual(
+            config.hc_count, hidden, config.hc_lowrank, eps, use_combine=False
+        )
 
-    def forward(self, input_ids, positions, prev_streams, input_embeds, ctx: ForwardContext,
-                spec_step_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self,
+        input_ids,
+        positions,
+        prev_streams,
+        input_embeds,
+        ctx: ForwardContext,
+        spec_step_idx: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns `(mixer output [T, H], streams [T, n*H])`."""
         n, hidden = self.hc_count, self.hidden_size
         embeds = self.embed_tokens(input_ids) if input_embeds is None else input_embeds
         u = self.fc_embedding(self.pre_fc_norm_embedding(embeds))
-        streams = self.fc_hidden(self.pre_fc_norm_hidden(prev_streams).view(-1, n, hidden)).flatten(1)
+        streams = self.fc_hidden(self.pre_fc_norm_hidden(prev_streams).view(-1, n, hidden)).flatten(
+            1
+        )
         streams = GatedResidual.combine(streams, u, None)
         cos, sin = self.rope.cos_sin(positions)
         layer = self.layers[spec_step_idx % self.num_layers]
@@ -99,7 +126,7 @@ class Qwen4ExpMultiTokenPredictor(nn.Module):
         return self.hyper_connection_mixer(streams)[0], streams
 
 
-class Qwen4ExpMTP(nn.Module):
+class Qwen4ExpMTP(SharesTargetEmbedHead, nn.Module):
     """Same forward contract as the target; `captured_hidden_states [T, n*H]` is required."""
 
     def __init__(self, config, mapping: Mapping | None = None, quant_config=None, prefix: str = ""):
@@ -111,35 +138,53 @@ class Qwen4ExpMTP(nn.Module):
         self.logits_processor = LogitsProcessor()
 
     @torch.no_grad()
-    def forward(self, ctx: ForwardContext, input_ids: torch.Tensor, positions: torch.Tensor,
-                out_cache_loc: torch.Tensor, input_embeds: torch.Tensor | None = None,
-                captured_hidden_states: torch.Tensor | None = None,
-                spec_step_idx: int = 0) -> LogitsProcessorOutput:
+    def forward(
+        self,
+        ctx: ForwardContext,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        out_cache_loc: torch.Tensor,
+        input_embeds: torch.Tensor | None = None,
+        captured_hidden_states: torch.Tensor | None = None,
+        spec_step_idx: int = 0,
+    ) -> LogitsProcessorOutput:
         if captured_hidden_states is None:
-            raise ValueError("the Qwen4Exp MTP draft needs captured_hidden_states (the target's streams "
-                             "before its final mixer, or the previous draft step's streams)")
-        sample, streams = self.model(input_ids, positions, captured_hidden_states, input_embeds, ctx,
-                                     spec_step_idx)
+            raise ValueError(
+                "the Qwen4Exp MTP draft needs captured_hidden_states (the target's streams "
+                "before its final mixer, or the previous draft step's streams)"
+            )
+        sample, streams = self.model(
+            input_ids, positions, captured_hidden_states, input_embeds, ctx, spec_step_idx
+        )
         return self.logits_processor(sample, self.lm_head, ctx, aux_hidden=streams)
-
-    def get_embed_and_head(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.model.embed_tokens.weight, self.lm_head.weight
-
-    def set_embed_and_head(self, embed: torch.Tensor, head: torch.Tensor) -> None:
-        """Point at the target's tensors (no copy); the draft's own are dropped."""
-        del self.model.embed_tokens.weight
-        del self.lm_head.weight
-        self.model.embed_tokens.weight = embed
-        self.lm_head.weight = head
 
     # caches -------------------------------------------------------------------------------
     @classmethod
-    def create_cache_pool(cls, config, max_reqs: int, num_pages: int, page_size: int, max_tokens_per_pass: int,
-                          dtype: torch.dtype, device="cpu", max_context: int = 0) -> Qwen4ExpKVPool:
-        layout = Qwen4ExpForCausalLM.cache_layout(config, kinds=("attention",) * num_mtp_layers(config),
-                                                  ple_layers=())
-        return Qwen4ExpKVPool(layout, max_reqs, num_pages, page_size, max_tokens_per_pass, dtype, device,
-                              reuses_qsa_selection=True, max_context=max_context)
+    def create_cache_pool(
+        cls,
+        config,
+        max_reqs: int,
+        num_pages: int,
+        page_size: int,
+        max_tokens_per_pass: int,
+        dtype: torch.dtype,
+        device="cpu",
+        max_context: int = 0,
+    ) -> Qwen4ExpKVPool:
+        layout = Qwen4ExpForCausalLM.cache_layout(
+            config, kinds=("attention",) * num_mtp_layers(config), ple_layers=()
+        )
+        return Qwen4ExpKVPool(
+            layout,
+            max_reqs,
+            num_pages,
+            page_size,
+            max_tokens_per_pass,
+            dtype,
+            device,
+            reuses_qsa_selection=True,
+            max_context=max_context,
+        )
 
     # weights ------------------------------------------------------------------------------
     @staticmethod
@@ -153,11 +198,17 @@ class Qwen4ExpMTP(nn.Module):
         return remap_mtp_weight_name(name) is None
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        tracker = load_qwen4_exp_weights(self, weights, self.map_name,
-                                         shared_params=("model.embed_tokens.weight", "lm_head.weight"))
+        tracker = load_qwen4_exp_weights(
+            self,
+            weights,
+            self.map_name,
+            shared_params=("model.embed_tokens.weight", "lm_head.weight"),
+        )
         if not tracker.loaded_params:
-            raise ValueError("the checkpoint has no MTP weights (`mtp.*`), so it cannot draft for NEXTN "
-                             "speculative decoding. " + MISSING_MTP_ADVICE)
+            raise ValueError(
+                "the checkpoint has no MTP weights (`mtp.*`), so it cannot draft for NEXTN "
+                "speculative decoding. " + MISSING_MTP_ADVICE
+            )
         tracker.raise_if_incomplete(what="Qwen4Exp MTP draft")
         return tracker.loaded_params
 

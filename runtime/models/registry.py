@@ -43,4 +43,6 @@ def resolve_model_class(architectures: list[str] | tuple[str, ...]) -> type:
         if arch in classes:
             return classes[arch]
     raise UnsupportedArchitectureError(
-        f"unsupported architecture {list(architectures)}; supported: {', '.join(supported_architectures())}")
+        f"unsupported architecture {list(architectures)}; "
+        f"supported: {', '.join(supported_architectures())}"
+    )

@@ -11,11 +11,17 @@ from __future__ import annotations
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, skip_special_tokens: bool = True,
-                 spaces_between_special_tokens: bool = True):
+    def __init__(
+        self,
+        tokenizer,
+        skip_special_tokens: bool = True,
+        spaces_between_special_tokens: bool = True,
+    ):
         self.tokenizer = tokenizer
-        self.kwargs = {"skip_special_tokens": skip_special_tokens,
-                       "spaces_between_special_tokens": spaces_between_special_tokens}
+        self.kwargs = {
+            "skip_special_tokens": skip_special_tokens,
+            "spaces_between_special_tokens": spaces_between_special_tokens,
+        }
         self.ids: list[int] = []
         self.prefix_offset = 0
         self.read_offset = 0
@@ -27,20 +33,20 @@ class IncrementalDetokenizer:
     def add(self, token: int) -> str:
         """Append a token; returns the text it completed (possibly empty)."""
         self.ids.append(token)
-        prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
-        new_text = self._decode(self.ids[self.prefix_offset:])
+        prefix_text = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        new_text = self._decode(self.ids[self.prefix_offset :])
         if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
             return ""
-        delta = new_text[len(prefix_text):]
+        delta = new_text[len(prefix_text) :]
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         self.text += delta
         return delta
 
     def flush(self) -> str:
         """At the end: whatever an unfinished character sequence decodes to."""
-        rest = self._decode(self.ids[self.prefix_offset:])
-        prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
-        delta = rest[len(prefix_text):] if len(rest) > len(prefix_text) else ""
+        rest = self._decode(self.ids[self.prefix_offset :])
+        prefix_text = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        delta = rest[len(prefix_text) :] if len(rest) > len(prefix_text) else ""
         self.prefix_offset = self.read_offset = len(self.ids)
         self.text += delta
         return delta

@@ -131,4 +131,4 @@ class Req:
                 if self.text.endswith(stop[:k]):
                     hold = max(hold, k)
                     break
-        return self.text[:len(self.text) - hold]
+        return self.text[: len(self.text) - hold]

@@ -22,19 +22,27 @@ import logging
 from collections import deque
 
 from runtime.cache.slot_table import SlotTable
-from runtime.scheduler.step_io import Chunk, TokenOutput
 from runtime.scheduler.request import FinishReason, Req
+from runtime.scheduler.step_io import Chunk, TokenOutput
 
 logger = logging.getLogger(__name__)
 
 
 class Scheduler:
-    def __init__(self, worker, slot_table: SlotTable, eos_ids: set[int], max_running_requests: int,
-                 chunked_prefill_size: int | None = None):
+    def __init__(
+        self,
+        worker,
+        slot_table: SlotTable,
+        eos_ids: set[int],
+        max_running_requests: int,
+        chunked_prefill_size: int | None = None,
+    ):
         self.worker, self.slot_table = worker, slot_table
         self.eos_ids = eos_ids
         self.max_running_requests = max_running_requests
-        self.chunk_budget = chunked_prefill_size if chunked_prefill_size and chunked_prefill_size > 0 else None
+        self.chunk_budget = (
+            chunked_prefill_size if chunked_prefill_size and chunked_prefill_size > 0 else None
+        )
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self._last_step_prefilled = False
@@ -77,7 +85,11 @@ class Scheduler:
             return touched
         self._last_step_prefilled = bool(prefill)
         prefill_out, decode_out = self.worker.step(prefill, decode)
-        return touched + self._commit_prefill(prefill, prefill_out) + self._commit_decode(decode, decode_out)
+        return (
+            touched
+            + self._commit_prefill(prefill, prefill_out)
+            + self._commit_decode(decode, decode_out)
+        )
 
     def _needed(self, req: Req) -> int:
         return req.seq_len + self.worker.reserve_ahead()
@@ -91,16 +103,22 @@ class Scheduler:
                 break
             # keep a page of headroom per running request so they can keep decoding
             headroom = len(self.running) * self.slot_table.page_size
-            fits = (self.slot_table.allocator.available_tokens() >= self._needed(req) + headroom
-                    or not self.running)
+            fits = (
+                self.slot_table.allocator.available_tokens() >= self._needed(req) + headroom
+                or not self.running
+            )
             if not fits or not self.slot_table.reserve(idx, self._needed(req)):
                 self.slot_table.release(idx)
                 if not self.running:
                     self.waiting.popleft()
-                    req.finish(FinishReason(
-                        "abort", message=f"the request needs {self._needed(req)} tokens of KV cache but "
-                        f"the pool holds {self.slot_table.allocator.capacity_tokens}; raise "
-                        "--max-total-tokens or shorten the prompt"))
+                    req.finish(
+                        FinishReason(
+                            "abort",
+                            message=f"the request needs {self._needed(req)} tokens of KV cache but "
+                            f"the pool holds {self.slot_table.allocator.capacity_tokens}; raise "
+                            "--max-total-tokens or shorten the prompt",
+                        )
+                    )
                     rejected.append(req)
                     continue
                 break
@@ -134,14 +152,18 @@ class Scheduler:
             victim = self.running[-1]
             self._release(victim)
             if not self.running:
-                victim.abort("out of KV cache: this request alone needs more tokens than the pool "
-                             "holds; raise --max-total-tokens or lower max_new_tokens")
+                victim.abort(
+                    "out of KV cache: this request alone needs more tokens than the pool "
+                    "holds; raise --max-total-tokens or lower max_new_tokens"
+                )
                 return [victim]
             victim.num_cached, victim.draft_tokens = 0, None
             victim.num_retractions += 1
             self.num_retractions += 1
             self.waiting.appendleft(victim)
-            logger.info("retracted request %s (%d tokens) to free KV cache", victim.rid, victim.seq_len)
+            logger.info(
+                "retracted request %s (%d tokens) to free KV cache", victim.rid, victim.seq_len
+            )
 
     def _release(self, req: Req) -> None:
         self.running.remove(req)
@@ -154,7 +176,9 @@ class Scheduler:
         for chunk, out in zip(chunks, outputs):
             req = chunk.req
             if out.input_logprobs:
-                req.input_token_logprobs += [(lp, req.prompt_ids[pos]) for pos, lp in out.input_logprobs]
+                req.input_token_logprobs += [
+                    (lp, req.prompt_ids[pos]) for pos, lp in out.input_logprobs
+                ]
             req.num_cached = chunk.end
             if chunk.end >= len(req.prompt_ids):
                 req.input_logprobs_done = True

@@ -88,13 +88,16 @@ def create_app(engine: AsyncEngine, args: ServerArgs, metrics=None) -> FastAPI:
     async def check_api_key(request: Request, call_next):
         if args.api_key and request.url.path not in ("/health",):
             if request.headers.get("authorization") != f"Bearer {args.api_key}":
-                return _error(request, "missing or wrong API key: send 'Authorization: Bearer <key>'", 401)
+                return _error(
+                    request, "missing or wrong API key: send 'Authorization: Bearer <key>'", 401
+                )
         return await call_next(request)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError):
-        errors = "; ".join(f"{'.'.join(str(p) for p in e['loc'] if p != 'body')}: {e['msg']}"
-                           for e in exc.errors())
+        errors = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc'] if p != 'body')}: {e['msg']}" for e in exc.errors()
+        )
         return _error(request, f"invalid request: {errors}", 400)
 
     @app.exception_handler(InvalidRequestError)
@@ -119,7 +122,9 @@ def create_app(engine: AsyncEngine, args: ServerArgs, metrics=None) -> FastAPI:
         if not engine.alive:
             return Response(status_code=503)
         bos = getattr(core.model_config.hf_config, "bos_token_id", None) or 0
-        req = core.make_request([bos], {"max_new_tokens": 1, "temperature": 0}, rid=f"health-{uuid.uuid4().hex}")
+        req = core.make_request(
+            [bos], {"max_new_tokens": 1, "temperature": 0}, rid=f"health-{uuid.uuid4().hex}"
+        )
         try:
             result = await asyncio.wait_for(engine.generate(req), timeout=60)
         except asyncio.TimeoutError:
@@ -135,9 +140,13 @@ def create_app(engine: AsyncEngine, args: ServerArgs, metrics=None) -> FastAPI:
 
     @app.get("/get_model_info")
     async def model_info():
-        return {"model_path": core.model_path, "tokenizer_path": args.tokenizer_path or core.model_path,
-                "is_generation": True, "served_model_name": model_name,
-                "architectures": list(core.model_config.architectures)}
+        return {
+            "model_path": core.model_path,
+            "tokenizer_path": args.tokenizer_path or core.model_path,
+            "is_generation": True,
+            "served_model_name": model_name,
+            "architectures": list(core.model_config.architectures),
+        }
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache():
@@ -169,12 +178,13 @@ def create_app(engine: AsyncEngine, args: ServerArgs, metrics=None) -> FastAPI:
         call = parse_generate(await json_body(request), core)
         reqs = [r for group in call.groups for r in group]
         if call.stream:
-            return StreamingResponse(_native_stream(call.batched or len(reqs) > 1, reqs),
-                                     media_type="text/event-stream")
+            return StreamingResponse(
+                _native_stream(call.batched or len(reqs) > 1, reqs), media_type="text/event-stream"
+            )
         results = await _collect(request, engine, reqs)
         grouped, i = [], 0
         for group in call.groups:
-            grouped.append(results[i:i + len(group)])
+            grouped.append(results[i : i + len(group)])
             i += len(group)
         return response_shape(call, grouped)
 
@@ -189,15 +199,27 @@ def create_app(engine: AsyncEngine, args: ServerArgs, metrics=None) -> FastAPI:
     # -- OpenAI ------------------------------------------------------------------------------
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": int(time.time()),
-                                            "owned_by": "nextn-runtime", "root": core.model_path,
-                                            "max_model_len": core.context_length}]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": model_name,
+                    "object": "model",
+                    "created": int(time.time()),
+                    "owned_by": "nextn-runtime",
+                    "root": core.model_path,
+                    "max_model_len": core.context_length,
+                }
+            ],
+        }
 
     @app.post("/v1/completions")
     async def completions(body: openai_api.CompletionRequest, request: Request):
         openai_api.check_model(body.model, served)
         reqs = openai_api.completion_requests(body, core)
-        echo = [core.tokenizer.decode(r.prompt_ids) if core.tokenizer else "" for r in reqs[::body.n]]
+        echo = [
+            core.tokenizer.decode(r.prompt_ids) if core.tokenizer else "" for r in reqs[:: body.n]
+        ]
         if body.stream:
             return StreamingResponse(_completion_stream(body, reqs), media_type="text/event-stream")
         results = await _collect(request, engine, reqs)
@@ -209,20 +231,47 @@ def create_app(engine: AsyncEngine, args: ServerArgs, metrics=None) -> FastAPI:
         async for i, snap in _merged(engine, reqs):
             text = snap["text"] or ""
             reason, matched = openai_api.finish_reason(snap) if snap["finished"] else (None, None)
-            logprobs = (openai_api.completion_logprobs(snap, core, sent_tokens[i])
-                        if body.logprobs is not None else None)
-            delta, sent_text[i] = text[len(sent_text[i]):], text
+            logprobs = (
+                openai_api.completion_logprobs(snap, core, sent_tokens[i])
+                if body.logprobs is not None
+                else None
+            )
+            delta, sent_text[i] = text[len(sent_text[i]) :], text
             sent_tokens[i] = snap["meta_info"]["completion_tokens"]
             if snap["finished"]:
                 finals[i] = snap
             if delta or reason:
-                yield sse({"id": cid, "object": "text_completion", "created": created, "model": model_name,
-                           "choices": [{"index": i, "text": delta, "logprobs": logprobs,
-                                        "finish_reason": reason, "matched_stop": matched}]})
+                yield sse(
+                    {
+                        "id": cid,
+                        "object": "text_completion",
+                        "created": created,
+                        "model": model_name,
+                        "choices": [
+                            {
+                                "index": i,
+                                "text": delta,
+                                "logprobs": logprobs,
+                                "finish_reason": reason,
+                                "matched_stop": matched,
+                            }
+                        ],
+                    }
+                )
         if body.stream_options and body.stream_options.include_usage:
             results = [finals[i] for i in range(len(reqs))]
-            yield sse({"id": cid, "object": "text_completion", "created": created, "model": model_name,
-                       "choices": [], "usage": openai_api.usage(results, openai_api.prompt_tokens_of(results, body.n))})
+            yield sse(
+                {
+                    "id": cid,
+                    "object": "text_completion",
+                    "created": created,
+                    "model": model_name,
+                    "choices": [],
+                    "usage": openai_api.usage(
+                        results, openai_api.prompt_tokens_of(results, body.n)
+                    ),
+                }
+            )
         yield sse("[DONE]")
 
     @app.post("/v1/chat/completions")
@@ -238,9 +287,22 @@ def create_app(engine: AsyncEngine, args: ServerArgs, metrics=None) -> FastAPI:
         cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
         def chunk(index, delta, reason=None, logprobs=None):
-            return sse({"id": cid, "object": "chat.completion.chunk", "created": created, "model": model_name,
-                        "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
-                                     "finish_reason": reason}]})
+            return sse(
+                {
+                    "id": cid,
+                    "object": "chat.completion.chunk",
+                    "created": created,
+                    "model": model_name,
+                    "choices": [
+                        {
+                            "index": index,
+                            "delta": delta,
+                            "logprobs": logprobs,
+                            "finish_reason": reason,
+                        }
+                    ],
+                }
+            )
 
         for i in range(len(reqs)):
             yield chunk(i, {"role": "assistant", "content": ""})
@@ -248,8 +310,10 @@ def create_app(engine: AsyncEngine, args: ServerArgs, metrics=None) -> FastAPI:
         async for i, snap in _merged(engine, reqs):
             text = snap["text"] or ""
             reason = openai_api.finish_reason(snap)[0] if snap["finished"] else None
-            logprobs = openai_api.chat_logprobs(snap, core, sent_tokens[i]) if body.logprobs else None
-            delta, sent_text[i] = text[len(sent_text[i]):], text
+            logprobs = (
+                openai_api.chat_logprobs(snap, core, sent_tokens[i]) if body.logprobs else None
+            )
+            delta, sent_text[i] = text[len(sent_text[i]) :], text
             sent_tokens[i] = snap["meta_info"]["completion_tokens"]
             if snap["finished"]:
                 finals[i] = snap
@@ -257,8 +321,18 @@ def create_app(engine: AsyncEngine, args: ServerArgs, metrics=None) -> FastAPI:
                 yield chunk(i, {"content": delta} if delta else {}, reason, logprobs)
         if body.stream_options and body.stream_options.include_usage:
             results = [finals[i] for i in range(len(reqs))]
-            yield sse({"id": cid, "object": "chat.completion.chunk", "created": created, "model": model_name,
-                       "choices": [], "usage": openai_api.usage(results, openai_api.prompt_tokens_of(results, body.n))})
+            yield sse(
+                {
+                    "id": cid,
+                    "object": "chat.completion.chunk",
+                    "created": created,
+                    "model": model_name,
+                    "choices": [],
+                    "usage": openai_api.usage(
+                        results, openai_api.prompt_tokens_of(results, body.n)
+                    ),
+                }
+            )
         yield sse("[DONE]")
 
     return app

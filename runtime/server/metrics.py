@@ -23,8 +23,9 @@ class ServerMetrics:
             return Gauge(f"sglang:{name}", doc, labels, registry=self.registry).labels(model_name)
 
         def histogram(name, doc):
-            return Histogram(f"sglang:{name}", doc, labels, buckets=_LATENCY_BUCKETS,
-                             registry=self.registry).labels(model_name)
+            return Histogram(
+                f"sglang:{name}", doc, labels, buckets=_LATENCY_BUCKETS, registry=self.registry
+            ).labels(model_name)
 
         self.requests = counter("num_requests", "Finished requests")
         self.aborted = counter("num_aborted_requests", "Requests that ended aborted")

@@ -10,10 +10,29 @@ from runtime.engine.sampling_params import InvalidRequestError, SamplingParams
 from runtime.scheduler.request import Req
 
 # Accepted for compatibility but unused by this runtime; a non-null value is refused.
-_UNSUPPORTED = ("input_embeds", "image_data", "video_data", "audio_data", "lora_path", "session_params",
-                "custom_logit_processor", "return_hidden_states", "token_ids_logprob")
-_KNOWN = {"text", "input_ids", "sampling_params", "stream", "rid", "return_logprob", "logprob_start_len",
-          "top_logprobs_num", "return_text_in_logprobs", *_UNSUPPORTED}
+_UNSUPPORTED = (
+    "input_embeds",
+    "image_data",
+    "video_data",
+    "audio_data",
+    "lora_path",
+    "session_params",
+    "custom_logit_processor",
+    "return_hidden_states",
+    "token_ids_logprob",
+)
+_KNOWN = {
+    "text",
+    "input_ids",
+    "sampling_params",
+    "stream",
+    "rid",
+    "return_logprob",
+    "logprob_start_len",
+    "top_logprobs_num",
+    "return_text_in_logprobs",
+    *_UNSUPPORTED,
+}
 
 
 def _expect(value, types, name: str):
@@ -75,9 +94,16 @@ def parse_generate(body, engine: Engine) -> GenerateCall:
         group = []
         for k in range(parsed.n):
             rid = rids[i] if rids[i] is None or parsed.n == 1 else f"{rids[i]}-{k}"
-            group.append(engine.make_request(ids, parsed, rid=rid, return_logprob=return_logprob,
-                                             top_logprobs_num=top_n,
-                                             logprob_start_len=-1 if start is None else start))
+            group.append(
+                engine.make_request(
+                    ids,
+                    parsed,
+                    rid=rid,
+                    return_logprob=return_logprob,
+                    top_logprobs_num=top_n,
+                    logprob_start_len=-1 if start is None else start,
+                )
+            )
         groups.append(group)
     return GenerateCall(groups, batched, stream)
 

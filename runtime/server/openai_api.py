@@ -42,13 +42,22 @@ class _SamplingFields(BaseModel):
 
     def sampling_params(self, max_tokens: int, choice: int) -> SamplingParams:
         params = SamplingParams(
-            max_new_tokens=max_tokens, min_new_tokens=self.min_tokens, temperature=self.temperature,
-            top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
-            frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty,
-            repetition_penalty=self.repetition_penalty, stop=self.stop, stop_token_ids=self.stop_token_ids,
-            ignore_eos=self.ignore_eos, skip_special_tokens=self.skip_special_tokens,
+            max_new_tokens=max_tokens,
+            min_new_tokens=self.min_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            frequency_penalty=self.frequency_penalty,
+            presence_penalty=self.presence_penalty,
+            repetition_penalty=self.repetition_penalty,
+            stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos,
+            skip_special_tokens=self.skip_special_tokens,
             # each of the n choices gets its own stream of randomness from the same seed
-            sampling_seed=None if self.seed is None else self.seed + choice)
+            sampling_seed=None if self.seed is None else self.seed + choice,
+        )
         params.normalize()
         return params
 
@@ -76,12 +85,17 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 def error_body(message: str, status: int, kind: str = "invalid_request_error", param=None) -> dict:
-    return {"object": "error", "error": {"message": message, "type": kind, "param": param, "code": status}}
+    return {
+        "object": "error",
+        "error": {"message": message, "type": kind, "param": param, "code": status},
+    }
 
 
 def check_model(requested: str | None, served: set[str]) -> None:
     if requested is not None and requested not in served:
-        raise InvalidRequestError(f"model '{requested}' is not served here; available: {sorted(served)}")
+        raise InvalidRequestError(
+            f"model '{requested}' is not served here; available: {sorted(served)}"
+        )
 
 
 def _max_tokens(requested: int | None, prompt_len: int, engine: Engine) -> int:
@@ -95,6 +109,7 @@ def _max_tokens(requested: int | None, prompt_len: int, engine: Engine) -> int:
 
 # --------------------------------------------------------------------------------------
 # /v1/completions
+
 
 def completion_prompts(body: CompletionRequest, engine: Engine) -> list[list[int]]:
     prompt = body.prompt
@@ -116,8 +131,11 @@ def completion_requests(body: CompletionRequest, engine: Engine) -> list[Req]:
     for ids in completion_prompts(body, engine):
         for k in range(body.n):
             params = body.sampling_params(_max_tokens(body.max_tokens, len(ids), engine), k)
-            reqs.append(engine.make_request(ids, params, return_logprob=body.logprobs is not None,
-                                            top_logprobs_num=top))
+            reqs.append(
+                engine.make_request(
+                    ids, params, return_logprob=body.logprobs is not None, top_logprobs_num=top
+                )
+            )
     return reqs
 
 
@@ -139,16 +157,30 @@ def completion_logprobs(result: dict, engine: Engine, start: int = 0) -> dict:
     for tok in tokens:
         offsets.append(pos)
         pos += len(tok)
-    top_maps = [{(engine.tokenizer.decode([t]) if engine.tokenizer else str(t)): lp for lp, t, _ in top}
-                for top in tops] if tops else None
-    return {"tokens": tokens, "token_logprobs": [lp for lp, _, _ in entries], "top_logprobs": top_maps,
-            "text_offset": offsets}
+    top_maps = (
+        [
+            {(engine.tokenizer.decode([t]) if engine.tokenizer else str(t)): lp for lp, t, _ in top}
+            for top in tops
+        ]
+        if tops
+        else None
+    )
+    return {
+        "tokens": tokens,
+        "token_logprobs": [lp for lp, _, _ in entries],
+        "top_logprobs": top_maps,
+        "text_offset": offsets,
+    }
 
 
 def usage(results: list[dict], prompt_tokens: int) -> dict:
     completion = sum(r["meta_info"]["completion_tokens"] for r in results)
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
-            "total_tokens": prompt_tokens + completion, "prompt_tokens_details": {"cached_tokens": 0}}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion,
+        "total_tokens": prompt_tokens + completion,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
 
 
 def prompt_tokens_of(results: list[dict], n: int) -> int:
@@ -156,20 +188,35 @@ def prompt_tokens_of(results: list[dict], n: int) -> int:
     return sum(r["meta_info"]["prompt_tokens"] for r in results[::n])
 
 
-def completion_response(body: CompletionRequest, results: list[dict], model: str, engine: Engine,
-                        echo_texts: list[str]) -> dict:
+def completion_response(
+    body: CompletionRequest, results: list[dict], model: str, engine: Engine, echo_texts: list[str]
+) -> dict:
     choices = []
     for i, r in enumerate(results):
         reason, matched = finish_reason(r)
         text = (echo_texts[i // body.n] if body.echo else "") + (r["text"] or "")
-        choices.append({"index": i, "text": text, "finish_reason": reason, "matched_stop": matched,
-                        "logprobs": completion_logprobs(r, engine) if body.logprobs is not None else None})
-    return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-            "model": model, "choices": choices, "usage": usage(results, prompt_tokens_of(results, body.n))}
+        choices.append(
+            {
+                "index": i,
+                "text": text,
+                "finish_reason": reason,
+                "matched_stop": matched,
+                "logprobs": completion_logprobs(r, engine) if body.logprobs is not None else None,
+            }
+        )
+    return {
+        "id": f"cmpl-{uuid.uuid4().hex}",
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": choices,
+        "usage": usage(results, prompt_tokens_of(results, body.n)),
+    }
 
 
 # --------------------------------------------------------------------------------------
 # /v1/chat/completions
+
 
 def _message_text(message: ChatMessage) -> str:
     if message.content is None or isinstance(message.content, str):
@@ -177,7 +224,9 @@ def _message_text(message: ChatMessage) -> str:
     parts = []
     for part in message.content:
         if part.get("type") != "text":
-            raise InvalidRequestError(f"message content of type '{part.get('type')}' is not supported")
+            raise InvalidRequestError(
+                f"message content of type '{part.get('type')}' is not supported"
+            )
         parts.append(part.get("text", ""))
     return "".join(parts)
 
@@ -185,9 +234,13 @@ def _message_text(message: ChatMessage) -> str:
 def chat_prompt_ids(body: ChatCompletionRequest, engine: Engine) -> list[int]:
     tokenizer = engine.tokenizer
     if tokenizer is None:
-        raise InvalidRequestError("this server has no tokenizer, so it cannot apply a chat template")
+        raise InvalidRequestError(
+            "this server has no tokenizer, so it cannot apply a chat template"
+        )
     if not getattr(tokenizer, "chat_template", None):
-        raise InvalidRequestError("this model's tokenizer has no chat template; use /v1/completions")
+        raise InvalidRequestError(
+            "this model's tokenizer has no chat template; use /v1/completions"
+        )
     messages = [{"role": m.role, "content": _message_text(m)} for m in body.messages]
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     return tokenizer.encode(text, add_special_tokens=False)
@@ -195,13 +248,21 @@ def chat_prompt_ids(body: ChatCompletionRequest, engine: Engine) -> list[int]:
 
 def chat_requests(body: ChatCompletionRequest, engine: Engine) -> list[Req]:
     ids = chat_prompt_ids(body, engine)
-    requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    requested = (
+        body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    )
     top = body.top_logprobs or 0
     if top and not body.logprobs:
         raise InvalidRequestError("top_logprobs needs logprobs: true")
-    return [engine.make_request(ids, body.sampling_params(_max_tokens(requested, len(ids), engine), k),
-                                return_logprob=body.logprobs, top_logprobs_num=top)
-            for k in range(body.n)]
+    return [
+        engine.make_request(
+            ids,
+            body.sampling_params(_max_tokens(requested, len(ids), engine), k),
+            return_logprob=body.logprobs,
+            top_logprobs_num=top,
+        )
+        for k in range(body.n)
+    ]
 
 
 def chat_logprobs(result: dict, engine: Engine, start: int = 0) -> dict:
@@ -213,16 +274,34 @@ def chat_logprobs(result: dict, engine: Engine, start: int = 0) -> dict:
         text = engine.tokenizer.decode([tid]) if engine.tokenizer else str(tid)
         return {"token": text, "logprob": lp, "bytes": list(text.encode())}
 
-    return {"content": [{**item(lp, t), "top_logprobs": [item(l2, t2) for l2, t2, _ in top]}
-                        for (lp, t, _), top in zip(entries, tops)]}
+    return {
+        "content": [
+            {**item(lp, t), "top_logprobs": [item(l2, t2) for l2, t2, _ in top]}
+            for (lp, t, _), top in zip(entries, tops)
+        ]
+    }
 
 
-def chat_response(body: ChatCompletionRequest, results: list[dict], model: str, engine: Engine) -> dict:
+def chat_response(
+    body: ChatCompletionRequest, results: list[dict], model: str, engine: Engine
+) -> dict:
     choices = []
     for i, r in enumerate(results):
         reason, matched = finish_reason(r)
-        choices.append({"index": i, "message": {"role": "assistant", "content": r["text"] or ""},
-                        "finish_reason": reason, "matched_stop": matched,
-                        "logprobs": chat_logprobs(r, engine) if body.logprobs else None})
-    return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-            "model": model, "choices": choices, "usage": usage(results, prompt_tokens_of(results, body.n))}
+        choices.append(
+            {
+                "index": i,
+                "message": {"role": "assistant", "content": r["text"] or ""},
+                "finish_reason": reason,
+                "matched_stop": matched,
+                "logprobs": chat_logprobs(r, engine) if body.logprobs else None,
+            }
+        )
+    return {
+        "id": f"chatcmpl-{uuid.uuid4().hex}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": choices,
+        "usage": usage(results, prompt_tokens_of(results, body.n)),
+    }

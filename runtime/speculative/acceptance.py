@@ -33,7 +33,9 @@ class VerifyResult:
     def tokens(self, drafts: torch.Tensor) -> list[list[int]]:
         """Emitted tokens per request: accepted drafts then the final token."""
         out = []
-        for row, m, last in zip(drafts.tolist(), self.num_accepted.tolist(), self.final_tokens.tolist()):
+        for row, m, last in zip(
+            drafts.tolist(), self.num_accepted.tolist(), self.final_tokens.tolist()
+        ):
             out.append(row[:m] + [last])
         return out
 
@@ -46,8 +48,13 @@ def verify_greedy(logits: torch.Tensor, drafts: torch.Tensor) -> VerifyResult:
     return VerifyResult(num, pred.gather(1, num.unsqueeze(1)).squeeze(1))
 
 
-def verify_sampling(logits: torch.Tensor, drafts: torch.Tensor, sampling: SamplingBatch,
-                    positions: torch.Tensor, generator: torch.Generator | None = None) -> VerifyResult:
+def verify_sampling(
+    logits: torch.Tensor,
+    drafts: torch.Tensor,
+    sampling: SamplingBatch,
+    positions: torch.Tensor,
+    generator: torch.Generator | None = None,
+) -> VerifyResult:
     """`sampling`: one entry per request; `positions [bs]`: position of each request's first
     verify row (`t_last`), used to key seeded randomness."""
     bs, steps = drafts.shape
@@ -61,13 +68,20 @@ def verify_sampling(logits: torch.Tensor, drafts: torch.Tensor, sampling: Sampli
     if rejected.any():
         rejected_token = drafts.gather(1, num.clamp(max=steps - 1).unsqueeze(1))
         removed = final_probs.scatter(1, rejected_token, 0.0)
-        final_probs = torch.where(rejected.unsqueeze(1), removed / removed.sum(-1, keepdim=True), final_probs)
+        final_probs = torch.where(
+            rejected.unsqueeze(1), removed / removed.sum(-1, keepdim=True), final_probs
+        )
     final = sample_from_probs(final_probs, sampling, positions + num + 1, generator)
     return VerifyResult(num, final)
 
 
-def verify(logits: torch.Tensor, drafts: torch.Tensor, sampling: SamplingBatch, positions: torch.Tensor,
-           generator: torch.Generator | None = None) -> VerifyResult:
+def verify(
+    logits: torch.Tensor,
+    drafts: torch.Tensor,
+    sampling: SamplingBatch,
+    positions: torch.Tensor,
+    generator: torch.Generator | None = None,
+) -> VerifyResult:
     if sampling.all_greedy:
         return verify_greedy(logits, drafts)
     return verify_sampling(logits, drafts, sampling, positions, generator)

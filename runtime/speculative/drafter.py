@@ -23,9 +23,16 @@ class MTPDrafter:
     def __init__(self, draft: ModelRunner, num_steps: int):
         self.runner, self.num_steps = draft, num_steps
 
-    def draft(self, reqs: Sequence, prefix_lens: list[int], extend_lens: list[int],
-              next_tokens: torch.Tensor, target_hidden: torch.Tensor, gather_rows: Sequence[int],
-              propose: Sequence[bool] | None = None) -> list[list[int] | None]:
+    def draft(
+        self,
+        reqs: Sequence,
+        prefix_lens: list[int],
+        extend_lens: list[int],
+        next_tokens: torch.Tensor,
+        target_hidden: torch.Tensor,
+        gather_rows: Sequence[int],
+        propose: Sequence[bool] | None = None,
+    ) -> list[list[int] | None]:
         """Request b's rows sit at positions `prefix_lens[b] ..` (`extend_lens[b]` of them);
         `next_tokens [T]` is the token after each row, `target_hidden [T, D]` the target's
         captured state of each row, `gather_rows[b]` the row to draft from (its successor is
@@ -34,10 +41,18 @@ class MTPDrafter:
         propose = [True] * len(reqs) if propose is None else list(propose)
         starts = torch.tensor(extend_lens).cumsum(0) - torch.tensor(extend_lens)
         rows = (starts + torch.tensor(list(gather_rows))).tolist()
-        out = self.runner.forward(ModelInput(
-            ForwardMode.DRAFT_EXTEND, next_tokens, [r.req_pool_idx for r in reqs], prefix_lens,
-            extend_lens, capture_hidden_mode=CaptureHiddenMode.LAST,
-            captured_hidden_states=target_hidden, logits_row_indices=rows))
+        out = self.runner.forward(
+            ModelInput(
+                ForwardMode.DRAFT_EXTEND,
+                next_tokens,
+                [r.req_pool_idx for r in reqs],
+                prefix_lens,
+                extend_lens,
+                capture_hidden_mode=CaptureHiddenMode.LAST,
+                captured_hidden_states=target_hidden,
+                logits_row_indices=rows,
+            )
+        )
         keep = [b for b, p in enumerate(propose) if p]
         if not keep:
             return [None] * len(reqs)
@@ -47,10 +62,18 @@ class MTPDrafter:
         positions = [prefix_lens[b] + gather_rows[b] + 1 for b in keep]
         drafts = [tokens]
         for step in range(1, self.num_steps):
-            out = self.runner.forward(ModelInput(
-                ForwardMode.DECODE, tokens, pools, positions, [1] * len(keep),
-                capture_hidden_mode=CaptureHiddenMode.LAST, captured_hidden_states=hidden,
-                spec_step_idx=step))
+            out = self.runner.forward(
+                ModelInput(
+                    ForwardMode.DECODE,
+                    tokens,
+                    pools,
+                    positions,
+                    [1] * len(keep),
+                    capture_hidden_mode=CaptureHiddenMode.LAST,
+                    captured_hidden_states=hidden,
+                    spec_step_idx=step,
+                )
+            )
             tokens, hidden = out.next_token_logits.argmax(-1), out.hidden_states
             drafts.append(tokens)
             positions = [p + 1 for p in positions]

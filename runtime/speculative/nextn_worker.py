@@ -23,13 +23,7 @@ from runtime.execution.forward_mode import CaptureHiddenMode, ForwardMode
 from runtime.execution.model_runner import ModelInput, ModelRunner
 from runtime.execution.penalties import RowHistory, adjust_logits
 from runtime.execution.sampler import SamplingBatch
-from runtime.execution.worker import (
-    LogitRows,
-    attach_prompt_logprobs,
-    chunk_input,
-    sample_rows,
-    token_logprob_outputs,
-)
+from runtime.execution.worker import LogitRows, chunk_input, chunk_outputs, token_logprob_outputs
 from runtime.scheduler.step_io import Chunk, TokenOutput
 from runtime.speculative.acceptance import verify
 
@@ -64,8 +58,14 @@ class SpecStats:
 class NextNWorker:
     supports_mixed = False
 
-    def __init__(self, target: ModelRunner, drafter, spec: SpeculativeConfig, eos_ids: set[int],
-                 generator: torch.Generator | None = None):
+    def __init__(
+        self,
+        target: ModelRunner,
+        drafter,
+        spec: SpeculativeConfig,
+        eos_ids: set[int],
+        generator: torch.Generator | None = None,
+    ):
         self.target, self.drafter, self.spec = target, drafter, spec
         self.eos_ids, self.generator = eos_ids, generator
         self.vocab_size = target.model_config.vocab_size
@@ -75,7 +75,9 @@ class NextNWorker:
         """Verify writes up to `seq_len - 1 + S`, draft steps up to `seq_len + 2S - 2`."""
         return 2 * self.spec.num_steps
 
-    def step(self, prefill: Sequence[Chunk], decode: Sequence) -> tuple[list[TokenOutput], list[TokenOutput]]:
+    def step(
+        self, prefill: Sequence[Chunk], decode: Sequence
+    ) -> tuple[list[TokenOutput], list[TokenOutput]]:
         if prefill and decode:
             raise ValueError("NEXTN runs prefill chunks and verify rounds in separate steps")
         return (self._prefill(prefill), []) if prefill else ([], self._verify(decode))
@@ -85,24 +87,24 @@ class NextNWorker:
         rows = LogitRows(chunks)
         inp.logits_row_indices = rows.rows
         out = self.target.forward(inp)
-        outputs = [TokenOutput() for _ in chunks]
-        sampling = [i for i, c in enumerate(chunks) if c.completes]
-        if sampling:
-            last = out.next_token_logits[[rows.last[i] for i in sampling]]
-            reqs = [chunks[i].req for i in sampling]
-            tokens = sample_rows(reqs, last, None, self.vocab_size, self.eos_ids, self.generator)
-            lp = token_logprob_outputs(reqs, last, [[t] for t in tokens], list(range(len(reqs))))
-            for i, token, logprob in zip(sampling, tokens, lp):
-                outputs[i].tokens = [token]
-                if logprob is not None:
-                    outputs[i].logprobs, outputs[i].top_logprobs = logprob
-        attach_prompt_logprobs(chunks, rows, out.next_token_logits, outputs)
+        outputs = chunk_outputs(
+            chunks, rows, out.next_token_logits, self.vocab_size, self.eos_ids, self.generator
+        )
         # draft row at position p reads the token at p + 1 (the new token after the prompt)
-        following = [t for c, o in zip(chunks, outputs)
-                     for t in c.req.all_ids[c.start + 1:c.end] + (o.tokens or [c.req.all_ids[c.end]])]
-        drafts = self.drafter.draft([c.req for c in chunks], inp.prefix_lens, inp.extend_lens,
-                                    torch.tensor(following, dtype=torch.long), out.hidden_states,
-                                    [c.length - 1 for c in chunks], [c.completes for c in chunks])
+        following = [
+            t
+            for c, o in zip(chunks, outputs)
+            for t in c.req.all_ids[c.start + 1 : c.end] + (o.tokens or [c.req.all_ids[c.end]])
+        ]
+        drafts = self.drafter.draft(
+            [c.req for c in chunks],
+            inp.prefix_lens,
+            inp.extend_lens,
+            torch.tensor(following, dtype=torch.long),
+            out.hidden_states,
+            [c.length - 1 for c in chunks],
+            [c.completes for c in chunks],
+        )
         for c, d in zip(chunks, drafts):
             if d is not None:
                 c.req.draft_tokens = d
@@ -114,28 +116,49 @@ class NextNWorker:
         drafts = torch.tensor([r.draft_tokens for r in reqs], dtype=torch.long)
         committed = [r.num_cached for r in reqs]
         last = torch.tensor([r.output_ids[-1] for r in reqs], dtype=torch.long)
-        ids = torch.cat([last.unsqueeze(1), drafts], dim=1).flatten()  # [t_last, d1..dS] per request
-        out = self.target.forward(ModelInput(
-            ForwardMode.TARGET_VERIFY, ids, [r.req_pool_idx for r in reqs], committed, [width] * len(reqs),
-            capture_hidden_mode=CaptureHiddenMode.FULL, logits_row_indices=None))
+        ids = torch.cat(
+            [last.unsqueeze(1), drafts], dim=1
+        ).flatten()  # [t_last, d1..dS] per request
+        out = self.target.forward(
+            ModelInput(
+                ForwardMode.TARGET_VERIFY,
+                ids,
+                [r.req_pool_idx for r in reqs],
+                committed,
+                [width] * len(reqs),
+                capture_hidden_mode=CaptureHiddenMode.FULL,
+                logits_row_indices=None,
+            )
+        )
         # row j of request b sees the history plain decoding would have there: drafts d1..dj
-        histories = [RowHistory(r, tuple(d[:j])) for r, d in zip(reqs, drafts.tolist()) for j in range(width)]
+        histories = [
+            RowHistory(r, tuple(d[:j])) for r, d in zip(reqs, drafts.tolist()) for j in range(width)
+        ]
         logits = adjust_logits(out.next_token_logits, histories, self.eos_ids)
         sampling = SamplingBatch.from_params([r.sampling_params for r in reqs], self.vocab_size)
         result = verify(logits, drafts, sampling, torch.tensor(committed), self.generator)
         num_accepted = result.num_accepted.tolist()
         self.stats.record(num_accepted)
         # recurrent caches keep the state after the last accepted row
-        self.target.kv_pool.commit_verified(torch.tensor([r.req_pool_idx for r in reqs]), result.num_accepted)
+        self.target.kv_pool.commit_verified(
+            torch.tensor([r.req_pool_idx for r in reqs]), result.num_accepted
+        )
 
         # verify row j is followed by d_{j+1} (accepted rows) or the final token (row m)
         following = torch.cat([drafts, result.final_tokens.unsqueeze(1)], dim=1)
         following[torch.arange(len(reqs)), result.num_accepted] = result.final_tokens
-        new_drafts = self.drafter.draft(reqs, committed, [width] * len(reqs), following.flatten(),
-                                        out.hidden_states, num_accepted)
+        new_drafts = self.drafter.draft(
+            reqs,
+            committed,
+            [width] * len(reqs),
+            following.flatten(),
+            out.hidden_states,
+            num_accepted,
+        )
         tokens = result.tokens(drafts)
-        logprobs = token_logprob_outputs(reqs, out.next_token_logits, tokens,
-                                         [b * width for b in range(len(reqs))])
+        logprobs = token_logprob_outputs(
+            reqs, out.next_token_logits, tokens, [b * width for b in range(len(reqs))]
+        )
         outputs = []
         for r, d, m, toks, lp in zip(reqs, new_drafts, num_accepted, tokens, logprobs):
             r.draft_tokens = d

@@ -83,12 +83,31 @@ COMMON = ["--dtype", "float32", "--threads", "1", "--disable-tqdm"]
 # --------------------------------------------------------------------------------------
 # bench_one_batch
 
+
 def test_one_batch_compare_profile_plot(ckpt, tmp_path, capsys):
     jsonl, png = tmp_path / "one.jsonl", tmp_path / "one.png"
-    out = script("bench_one_batch").main([
-        "--model-path", str(ckpt), *COMMON, "--compare", "--batch-size", "1", "2",
-        "--input-len", "6", "--output-len", "4", "--profile-overhead", "--profile-top", "5",
-        "--result-filename", str(jsonl), "--plot", str(png)])
+    out = script("bench_one_batch").main(
+        [
+            "--model-path",
+            str(ckpt),
+            *COMMON,
+            "--compare",
+            "--batch-size",
+            "1",
+            "2",
+            "--input-len",
+            "6",
+            "--output-len",
+            "4",
+            "--profile-overhead",
+            "--profile-top",
+            "5",
+            "--result-filename",
+            str(jsonl),
+            "--plot",
+            str(png),
+        ]
+    )
     text = capsys.readouterr().out
     rows = {(r["variant"], r["batch_size"]): r for r in out["rows"]}
     assert set(rows) == {(v, b) for v in ("plain", "NEXTN(steps=3)") for b in (1, 2)}
@@ -103,14 +122,21 @@ def test_one_batch_compare_profile_plot(ckpt, tmp_path, capsys):
             assert 1.0 <= r["accept_length"] <= 4.0
     # same prompts, same greedy tokens: both variants did the same work
     assert rows[("plain", 2)]["output_ids"] == rows[("NEXTN(steps=3)", 2)]["output_ids"]
-    for line in ("Prefill. latency:", "Decode 0. Batch size: 2", "Decode.  median latency:",
-                 "Total. latency:", "One Batch Benchmark Result"):
+    for line in (
+        "Prefill. latency:",
+        "Decode 0. Batch size: 2",
+        "Decode.  median latency:",
+        "Total. latency:",
+        "One Batch Benchmark Result",
+    ):
         assert line in text
     printed = ratios(text)
     for bs in (1, 2):
         label = f"NEXTN(steps=3)/plain decode tok/s [bs={bs} in=6 out=4]"
-        expected = (rows[("NEXTN(steps=3)", bs)]["decode_throughput"]
-                    / rows[("plain", bs)]["decode_throughput"])
+        expected = (
+            rows[("NEXTN(steps=3)", bs)]["decode_throughput"]
+            / rows[("plain", bs)]["decode_throughput"]
+        )
         assert close(printed[label], expected, abs_=1e-3)
     # overhead: the forwards and the rest add up to the decode wall time
     assert len(out["overhead"]) == 2 and text.count("of decode wall time (scheduling") == 2
@@ -121,32 +147,56 @@ def test_one_batch_compare_profile_plot(ckpt, tmp_path, capsys):
     assert "ncalls" in text and "cumtime" in text
     records = read_jsonl(jsonl)
     assert len(records) == 6 and sum(r.get("kind") == "overhead" for r in records) == 2
-    assert {"prefill_latency", "median_decode_latency", "overall_throughput", "accept_length",
-            "threads", "dtype"} <= set(records[0])
+    assert {
+        "prefill_latency",
+        "median_decode_latency",
+        "overall_throughput",
+        "accept_length",
+        "threads",
+        "dtype",
+    } <= set(records[0])
     if importlib.util.find_spec("matplotlib"):
         assert png.stat().st_size > 0
 
 
 def test_one_batch_hf_baseline(ckpt, capsys):
-    out = script("bench_one_batch").main([
-        "--model-path", str(ckpt), *COMMON, "--batch-size", "2", "--input-len", "6",
-        "--output-len", "4", "--hf-baseline"])
+    out = script("bench_one_batch").main(
+        [
+            "--model-path",
+            str(ckpt),
+            *COMMON,
+            "--batch-size",
+            "2",
+            "--input-len",
+            "6",
+            "--output-len",
+            "4",
+            "--hf-baseline",
+        ]
+    )
     text = capsys.readouterr().out
     ours, hf = out["rows"][0], out["hf_rows"][0]
     assert hf["generated_tokens"] == ours["generated_tokens"] == 8
     assert hf["same_greedy_tokens_as_ours"] == "2/2"  # same inputs, dtype and token count
     printed = ratios(text)
     tag = "[bs=2 in=6 out=4]"
-    assert close(printed[f"ours[plain]/HF decode tok/s {tag}"],
-                 ours["decode_throughput"] / hf["decode_throughput"], abs_=1e-3)
-    assert close(printed[f"ours[plain]/HF overall tok/s {tag}"],
-                 ours["overall_throughput"] / hf["overall_throughput"], abs_=1e-3)
+    assert close(
+        printed[f"ours[plain]/HF decode tok/s {tag}"],
+        ours["decode_throughput"] / hf["decode_throughput"],
+        abs_=1e-3,
+    )
+    assert close(
+        printed[f"ours[plain]/HF overall tok/s {tag}"],
+        ours["overall_throughput"] / hf["overall_throughput"],
+        abs_=1e-3,
+    )
 
 
 def test_bad_flags_fail_before_loading(capsys):
     with pytest.raises(SystemExit) as err:
-        script("bench_one_batch").main(["--speculative-num-steps", "2",
-                                        "--model-path", "/nonexistent"])
+        script("bench_one_batch").main(
+            ["--speculative-num-steps", "2", "--model-path", "/nonexistent"]
+        )
     assert err.value.code == 2 and "needs --speculative-algorithm" in capsys.readouterr().err
     with pytest.raises(SystemExit) as err:
         script("bench_serving").main(["--compare"])
@@ -156,25 +206,43 @@ def test_bad_flags_fail_before_loading(capsys):
 # --------------------------------------------------------------------------------------
 # bench_offline_throughput
 
+
 def check_offline_block(rows: dict[str, str], record: dict) -> None:
     """The printed block and the JSONL record agree, and throughput = tokens / duration."""
     duration = record["total_latency"]
     assert int(rows["Total generated tokens:"]) == record["total_output_tokens"]
     assert int(rows["Total input tokens:"]) == record["total_input_tokens"]
     assert close(record["output_throughput"], record["total_output_tokens"] / duration, abs_=1e-9)
-    assert close(record["total_throughput"],
-                 (record["total_input_tokens"] + record["total_output_tokens"]) / duration,
-                 abs_=1e-9)
+    assert close(
+        record["total_throughput"],
+        (record["total_input_tokens"] + record["total_output_tokens"]) / duration,
+        abs_=1e-9,
+    )
     assert close(record["request_throughput"], record["successful_requests"] / duration, abs_=1e-9)
     assert close(float(rows["Output token throughput (tok/s):"]), record["output_throughput"])
 
 
 def test_offline_nextn(ckpt, tmp_path, capsys):
     jsonl = tmp_path / "offline.jsonl"
-    script("bench_offline_throughput").main([
-        "--model-path", str(ckpt), *COMMON, "--speculative-algorithm", "NEXTN",
-        "--num-prompts", "5", "--random-input-len", "10", "--random-output-len", "6",
-        "--random-range-ratio", "1", "--result-filename", str(jsonl)])
+    script("bench_offline_throughput").main(
+        [
+            "--model-path",
+            str(ckpt),
+            *COMMON,
+            "--speculative-algorithm",
+            "NEXTN",
+            "--num-prompts",
+            "5",
+            "--random-input-len",
+            "10",
+            "--random-output-len",
+            "6",
+            "--random-range-ratio",
+            "1",
+            "--result-filename",
+            str(jsonl),
+        ]
+    )
     text = capsys.readouterr().out
     (rows,) = blocks(text, "Offline Throughput Benchmark Result")
     (record,) = read_jsonl(jsonl)
@@ -186,11 +254,33 @@ def test_offline_nextn(ckpt, tmp_path, capsys):
 
 def test_offline_compare_with_hf_and_plot(ckpt, tmp_path, capsys):
     jsonl, png = tmp_path / "offline.jsonl", tmp_path / "steps.png"
-    out = script("bench_offline_throughput").main([
-        "--model-path", str(ckpt), *COMMON, "--compare", "--speculative-num-steps", "1", "2",
-        "--num-prompts", "6", "--random-input-len", "12", "--random-output-len", "6",
-        "--random-range-ratio", "0.5", "--hf-baseline", "--hf-batch-sizes", "1", "4",
-        "--result-filename", str(jsonl), "--plot", str(png)])
+    out = script("bench_offline_throughput").main(
+        [
+            "--model-path",
+            str(ckpt),
+            *COMMON,
+            "--compare",
+            "--speculative-num-steps",
+            "1",
+            "2",
+            "--num-prompts",
+            "6",
+            "--random-input-len",
+            "12",
+            "--random-output-len",
+            "6",
+            "--random-range-ratio",
+            "0.5",
+            "--hf-baseline",
+            "--hf-batch-sizes",
+            "1",
+            "4",
+            "--result-filename",
+            str(jsonl),
+            "--plot",
+            str(png),
+        ]
+    )
     text = capsys.readouterr().out
     expected_out = sum(n for _, n in out["dataset"])
     expected_in = sum(len(ids) for ids, _ in out["dataset"])
@@ -205,10 +295,16 @@ def test_offline_compare_with_hf_and_plot(ckpt, tmp_path, capsys):
     got = ratios(text)
     for record in records[1:3]:
         v = record["variant"]
-        assert close(got[f"{v}/plain output token throughput"],
-                     record["output_throughput"] / plain["output_throughput"], abs_=1e-3)
-        assert close(got[f"ours[{v}]/HF output tok/s"],
-                     record["output_throughput"] / hf["output_throughput"], abs_=1e-3)
+        assert close(
+            got[f"{v}/plain output token throughput"],
+            record["output_throughput"] / plain["output_throughput"],
+            abs_=1e-3,
+        )
+        assert close(
+            got[f"ours[{v}]/HF output tok/s"],
+            record["output_throughput"] / hf["output_throughput"],
+            abs_=1e-3,
+        )
     assert hf["hf_batch_size"] in (1, 4)
     if importlib.util.find_spec("matplotlib"):
         assert png.stat().st_size > 0
@@ -218,9 +314,21 @@ def test_offline_prompt_file(ckpt, tmp_path, capsys):
     data = tmp_path / "prompts.jsonl"
     data.write_text('{"prompt": "def fib(n):", "output_len": 3}\n{"prompt": "hello"}\nplain line\n')
     jsonl = tmp_path / "offline.jsonl"
-    script("bench_offline_throughput").main([
-        "--model-path", str(ckpt), *COMMON, "--dataset-path", str(data), "--num-prompts", "10",
-        "--random-output-len", "5", "--result-filename", str(jsonl)])
+    script("bench_offline_throughput").main(
+        [
+            "--model-path",
+            str(ckpt),
+            *COMMON,
+            "--dataset-path",
+            str(data),
+            "--num-prompts",
+            "10",
+            "--random-output-len",
+            "5",
+            "--result-filename",
+            str(jsonl),
+        ]
+    )
     (record,) = read_jsonl(jsonl)
     assert record["successful_requests"] == 3 and record["total_output_tokens"] == 3 + 5 + 5
     assert record["total_input_tokens"] == len("def fib(n):") + len("hello") + len("plain line")
@@ -230,6 +338,7 @@ def test_offline_prompt_file(ckpt, tmp_path, capsys):
 
 # --------------------------------------------------------------------------------------
 # bench_serving
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -244,11 +353,28 @@ def nextn_server(ckpt, tmp_path_factory):
 
     port = free_port()
     log = (tmp_path_factory.mktemp("server") / "server.log").open("w")
-    cmd = [sys.executable, "-m", "runtime.launch_server", "--model-path", str(ckpt),
-           "--port", str(port), "--dtype", "float32", "--log-level", "warning",
-           "--speculative-algorithm", "NEXTN"]
-    proc = subprocess.Popen(cmd, cwd=str(REPO_ROOT), stdout=log, stderr=subprocess.STDOUT,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    cmd = [
+        sys.executable,
+        "-m",
+        "runtime.launch_server",
+        "--model-path",
+        str(ckpt),
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--log-level",
+        "warning",
+        "--speculative-algorithm",
+        "NEXTN",
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        cwd=str(REPO_ROOT),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 120
@@ -273,32 +399,60 @@ def check_serving(text: str, record: dict, num: int, output_len: int) -> dict[st
     assert int(rows["Total generated tokens:"]) == record["total_output_tokens"] == num * output_len
     assert int(rows["Total input tokens:"]) == record["total_input_tokens"] > 0
     assert close(record["output_throughput"], record["total_output_tokens"] / duration, abs_=1e-9)
-    assert close(record["total_throughput"],
-                 (record["total_input_tokens"] + record["total_output_tokens"]) / duration,
-                 abs_=1e-9)
+    assert close(
+        record["total_throughput"],
+        (record["total_input_tokens"] + record["total_output_tokens"]) / duration,
+        abs_=1e-9,
+    )
     assert close(float(rows["Output token throughput (tok/s):"]), record["output_throughput"])
     keys = ("mean_ttft_ms", "median_itl_ms", "p99_tpot_ms", "mean_e2e_latency_ms", "concurrency")
     for key in keys:
         assert key in record and record[key] >= 0
     assert record["mean_ttft_ms"] <= record["mean_e2e_latency_ms"]
-    for label in ("Mean TTFT (ms):", "P99 ITL (ms):", "Median TPOT (ms):", "Mean E2E Latency (ms):",
-                  "Concurrency:", "Traffic request rate:", "Max request concurrency:"):
+    for label in (
+        "Mean TTFT (ms):",
+        "P99 ITL (ms):",
+        "Median TPOT (ms):",
+        "Mean E2E Latency (ms):",
+        "Concurrency:",
+        "Traffic request rate:",
+        "Max request concurrency:",
+    ):
         assert label in rows
     return rows
 
 
-@pytest.mark.parametrize("backend,extra", [
-    ("sglang", ["--request-rate", "50", "--max-concurrency", "2"]),
-    ("sglang", ["--disable-stream"]),
-    ("sglang-oai", []),
-    ("sglang-oai-chat", []),
-])
+@pytest.mark.parametrize(
+    "backend,extra",
+    [
+        ("sglang", ["--request-rate", "50", "--max-concurrency", "2"]),
+        ("sglang", ["--disable-stream"]),
+        ("sglang-oai", []),
+        ("sglang-oai-chat", []),
+    ],
+)
 def test_serving_against_a_running_server(nextn_server, backend, extra, tmp_path, capsys):
     jsonl = tmp_path / "serving.jsonl"
-    script("bench_serving").main([
-        "--base-url", nextn_server, "--backend", backend, "--num-prompts", "4",
-        "--random-input-len", "12", "--random-output-len", "5", "--random-range-ratio", "1",
-        "--output-file", str(jsonl), "--disable-tqdm", *extra])
+    script("bench_serving").main(
+        [
+            "--base-url",
+            nextn_server,
+            "--backend",
+            backend,
+            "--num-prompts",
+            "4",
+            "--random-input-len",
+            "12",
+            "--random-output-len",
+            "5",
+            "--random-range-ratio",
+            "1",
+            "--output-file",
+            str(jsonl),
+            "--disable-tqdm",
+            *extra,
+        ]
+    )
     (record,) = read_jsonl(jsonl)
     rows = check_serving(capsys.readouterr().out, record, 4, 5)
     assert rows["Backend:"] == backend
@@ -311,10 +465,25 @@ def test_serving_against_a_running_server(nextn_server, backend, extra, tmp_path
 
 def test_serving_launch_server_compare(ckpt, tmp_path, capsys):
     jsonl = tmp_path / "serving.jsonl"
-    script("bench_serving").main([
-        "--launch-server", "--compare", "--model-path", str(ckpt), *COMMON,
-        "--num-prompts", "3", "--random-input-len", "8", "--random-output-len", "4",
-        "--random-range-ratio", "1", "--output-file", str(jsonl)])
+    script("bench_serving").main(
+        [
+            "--launch-server",
+            "--compare",
+            "--model-path",
+            str(ckpt),
+            *COMMON,
+            "--num-prompts",
+            "3",
+            "--random-input-len",
+            "8",
+            "--random-output-len",
+            "4",
+            "--random-range-ratio",
+            "1",
+            "--output-file",
+            str(jsonl),
+        ]
+    )
     text = capsys.readouterr().out
     plain, nextn = read_jsonl(jsonl)
     assert (plain["variant"], nextn["variant"]) == ("plain", "NEXTN(steps=3)")

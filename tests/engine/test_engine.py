@@ -15,14 +15,21 @@ GREEDY = {"temperature": 0, "max_new_tokens": 40, "ignore_eos": True}
 
 def prompts(count=4, seed=0, vocab=97):
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(2, vocab, (int(n),), generator=g).tolist()
-            for n in torch.randint(3, 30, (count,), generator=g)]
+    return [
+        torch.randint(2, vocab, (int(n),), generator=g).tolist()
+        for n in torch.randint(3, 30, (count,), generator=g)
+    ]
 
 
 def hf_greedy(hf_model, ids, max_new_tokens):
-    out = hf_model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False,
-                            eos_token_id=None, pad_token_id=0)
-    return out[0, len(ids):].tolist()
+    out = hf_model.generate(
+        torch.tensor([ids]),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+    return out[0, len(ids) :].tolist()
 
 
 @pytest.fixture(scope="module")
@@ -57,12 +64,19 @@ def test_finish_reasons(engine):
     stop = free[5]
     first = free.index(stop)
     out = engine.generate(input_ids=ids, sampling_params={**GREEDY, "stop_token_ids": [stop]})
-    assert out["output_ids"] == free[:first + 1]
+    assert out["output_ids"] == free[: first + 1]
     assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
-    late = engine.generate(input_ids=ids, sampling_params={**GREEDY, "stop_token_ids": [stop],
-                                                           "min_new_tokens": first + 2})
+    late = engine.generate(
+        input_ids=ids,
+        sampling_params={**GREEDY, "stop_token_ids": [stop], "min_new_tokens": first + 2},
+    )
     assert len(late["output_ids"]) > first + 1
-    assert engine.generate(input_ids=ids, sampling_params={**GREEDY, "max_new_tokens": 0})["output_ids"] == []
+    assert (
+        engine.generate(input_ids=ids, sampling_params={**GREEDY, "max_new_tokens": 0})[
+            "output_ids"
+        ]
+        == []
+    )
 
 
 def test_eos_stops_unless_ignored(tiny_v4):
@@ -72,7 +86,7 @@ def test_eos_stops_unless_ignored(tiny_v4):
     engine.eos_ids.clear()
     engine.eos_ids.add(free[3])
     out = engine.generate(input_ids=ids, sampling_params={**GREEDY, "ignore_eos": False})
-    assert out["output_ids"] == free[:free.index(free[3]) + 1]
+    assert out["output_ids"] == free[: free.index(free[3]) + 1]
     assert engine.generate(input_ids=ids, sampling_params=GREEDY)["output_ids"] == free
 
 
@@ -80,7 +94,9 @@ def test_seeded_sampling_is_reproducible(engine):
     params = {"temperature": 1.0, "max_new_tokens": 12, "sampling_seed": 42, "ignore_eos": True}
     batch = prompts(3, seed=4)
     first = [r["output_ids"] for r in engine.generate(input_ids=batch, sampling_params=params)]
-    again = [r["output_ids"] for r in engine.generate(input_ids=batch[::-1], sampling_params=params)][::-1]
+    again = [
+        r["output_ids"] for r in engine.generate(input_ids=batch[::-1], sampling_params=params)
+    ][::-1]
     assert first == again
     other = engine.generate(input_ids=batch[0], sampling_params={**params, "sampling_seed": 7})
     assert other["output_ids"] != first[0]

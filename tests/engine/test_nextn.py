@@ -23,8 +23,10 @@ def mtp_ckpt(tmp_path_factory):
 
 def make_prompts(count, seed, low=3, high=40, vocab=97):
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(2, vocab, (int(n),), generator=g).tolist()
-            for n in torch.randint(low, high, (count,), generator=g)]
+    return [
+        torch.randint(2, vocab, (int(n),), generator=g).tolist()
+        for n in torch.randint(low, high, (count,), generator=g)
+    ]
 
 
 class OracleDrafter:
@@ -36,9 +38,11 @@ class OracleDrafter:
         self.rng = random.Random(seed)
 
     def committed(self, req, prefix, next_tokens, gather_row):
-        return req.all_ids[:prefix + 1] + next_tokens[:gather_row + 1]
+        return req.all_ids[: prefix + 1] + next_tokens[: gather_row + 1]
 
-    def draft(self, reqs, prefix_lens, extend_lens, next_tokens, target_hidden, gather_rows, propose=None):
+    def draft(
+        self, reqs, prefix_lens, extend_lens, next_tokens, target_hidden, gather_rows, propose=None
+    ):
         out, start = [], 0
         propose = propose or [True] * len(reqs)
         for req, prefix, n, g, wanted in zip(reqs, prefix_lens, extend_lens, gather_rows, propose):
@@ -46,11 +50,15 @@ class OracleDrafter:
                 out.append(None)
                 start += n
                 continue
-            seq = self.committed(req, prefix, next_tokens[start:start + n].tolist(), g)
+            seq = self.committed(req, prefix, next_tokens[start : start + n].tolist(), g)
             reference = self.references[tuple(req.prompt_ids)]
-            proposal = (reference[len(seq):] + [0] * self.steps)[:self.steps]
-            out.append([self.rng.randrange(self.vocab) if self.rng.random() < self.noise else t
-                        for t in proposal])
+            proposal = (reference[len(seq) :] + [0] * self.steps)[: self.steps]
+            out.append(
+                [
+                    self.rng.randrange(self.vocab) if self.rng.random() < self.noise else t
+                    for t in proposal
+                ]
+            )
             start += n
         return out
 
@@ -61,8 +69,15 @@ class GarbageDrafter(OracleDrafter):
 
 
 def nextn_engine(path, steps=3, page_size=4, **kw):
-    return Engine(model_path=str(path), dtype="float32", page_size=page_size, max_running_requests=16,
-                  speculative_algorithm="NEXTN", speculative_num_steps=steps, **kw)
+    return Engine(
+        model_path=str(path),
+        dtype="float32",
+        page_size=page_size,
+        max_running_requests=16,
+        speculative_algorithm="NEXTN",
+        speculative_num_steps=steps,
+        **kw,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +93,7 @@ def plain_reference(mtp_ckpt):
 def run_batches(engine, prompts, sizes=(1, 4, 16)):
     outputs, start = [], 0
     for size in sizes:
-        batch = prompts[start:start + size]
+        batch = prompts[start : start + size]
         outputs += engine.generate(input_ids=batch, sampling_params=GREEDY)
         start += size
     return outputs
@@ -95,7 +110,7 @@ def test_greedy_nextn_equals_plain_greedy(mtp_ckpt, plain_reference, steps, page
     start_free = engine.slot_table.allocator.available_tokens()
     outputs = run_batches(engine, prompts)
     for prompt, out in zip(prompts, outputs):
-        assert out["output_ids"] == references[tuple(prompt)][len(prompt):len(prompt) + 48]
+        assert out["output_ids"] == references[tuple(prompt)][len(prompt) : len(prompt) + 48]
     assert engine.slot_table.allocator.available_tokens() == start_free
     assert engine.slot_table.req_pool.available() == engine.slot_table.req_pool.max_reqs
     assert 1.3 < engine.avg_spec_accept_length < steps + 1
@@ -107,7 +122,7 @@ def test_real_mtp_draft_is_lossless(mtp_ckpt, plain_reference):
     assert isinstance(engine.worker.drafter, MTPDrafter)
     outputs = run_batches(engine, prompts)
     for prompt, out in zip(prompts, outputs):
-        assert out["output_ids"] == references[tuple(prompt)][len(prompt):len(prompt) + 48]
+        assert out["output_ids"] == references[tuple(prompt)][len(prompt) : len(prompt) + 48]
 
 
 def test_oracle_drafter_is_fully_accepted(mtp_ckpt, plain_reference):
@@ -130,7 +145,7 @@ def test_garbage_drafter_is_rejected_without_changing_output(mtp_ckpt, plain_ref
     engine.worker.drafter = GarbageDrafter(3, references)
     out = engine.generate(input_ids=prompts[:4], sampling_params=GREEDY)
     for prompt, r in zip(prompts, out):
-        assert r["output_ids"] == references[tuple(prompt)][len(prompt):len(prompt) + 48]
+        assert r["output_ids"] == references[tuple(prompt)][len(prompt) : len(prompt) + 48]
     assert engine.avg_spec_accept_length < 1.1
 
 
@@ -138,13 +153,17 @@ def test_metrics_are_consistent(mtp_ckpt, plain_reference):
     prompts, references = plain_reference
     engine = nextn_engine(mtp_ckpt, steps=2)
     engine.worker.drafter = OracleDrafter(2, references, noise=0.4, seed=3)
-    for r in engine.generate(input_ids=prompts[:6], sampling_params={**GREEDY, "max_new_tokens": 200}):
+    for r in engine.generate(
+        input_ids=prompts[:6], sampling_params={**GREEDY, "max_new_tokens": 200}
+    ):
         meta = r["meta_info"]
         hist = meta["spec_accept_histogram"]
         assert sum(hist) == meta["spec_verify_ct"]
         emitted = 1 + sum((m + 1) * count for m, count in enumerate(hist))
         assert emitted - 2 <= meta["completion_tokens"] <= emitted  # the last round may be cut
-        assert meta["spec_accept_length"] == pytest.approx(meta["completion_tokens"] / meta["spec_verify_ct"])
+        assert meta["spec_accept_length"] == pytest.approx(
+            meta["completion_tokens"] / meta["spec_verify_ct"]
+        )
 
 
 def test_bad_speculative_settings_fail_clearly(mtp_ckpt, tiny_v4, tmp_path):

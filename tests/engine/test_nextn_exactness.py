@@ -24,7 +24,9 @@ VOCAB = 8
 
 @pytest.fixture(scope="module")
 def small_vocab(tmp_path_factory):
-    path, target, _ = build_tiny_v4_mtp_checkpoint(tmp_path_factory.mktemp("v8"), seed=12, vocab_size=VOCAB)
+    path, target, _ = build_tiny_v4_mtp_checkpoint(
+        tmp_path_factory.mktemp("v8"), seed=12, vocab_size=VOCAB
+    )
     return path, target
 
 
@@ -39,17 +41,28 @@ def exact_marginals(hf_model, prompt, params):
 
     p1 = probs(prompt)
     p2 = torch.stack([probs(prompt + [a]) for a in range(VOCAB)])  # [a, b]
-    p3 = torch.stack([torch.stack([probs(prompt + [a, b]) for b in range(VOCAB)]) for a in range(VOCAB)])
+    p3 = torch.stack(
+        [torch.stack([probs(prompt + [a, b]) for b in range(VOCAB)]) for a in range(VOCAB)]
+    )
     joint2 = p1.unsqueeze(1) * p2
     return p1, joint2.sum(0), (joint2.unsqueeze(-1) * p3).sum((0, 1))
 
 
 def sampled_tokens(path, prompt, params, count, steps=2):
-    engine = Engine(model_path=str(path), dtype="float32", page_size=4, max_running_requests=count,
-                    max_total_tokens=count * 24, random_seed=1234, speculative_algorithm="NEXTN",
-                    speculative_num_steps=steps)
-    out = engine.generate(input_ids=[prompt] * count, sampling_params={**params, "max_new_tokens": 3,
-                                                                       "ignore_eos": True})
+    engine = Engine(
+        model_path=str(path),
+        dtype="float32",
+        page_size=4,
+        max_running_requests=count,
+        max_total_tokens=count * 24,
+        random_seed=1234,
+        speculative_algorithm="NEXTN",
+        speculative_num_steps=steps,
+    )
+    out = engine.generate(
+        input_ids=[prompt] * count,
+        sampling_params={**params, "max_new_tokens": 3, "ignore_eos": True},
+    )
     assert engine.worker.stats.verify_rounds > 0 and sum(engine.worker.stats.accepted_at) > 0
     return torch.tensor([r["output_ids"] for r in out])
 
@@ -65,7 +78,11 @@ def fit_pvalues(tokens, marginals):
     return pvalues
 
 
-CONFIGS = [{"temperature": 1.0}, {"temperature": 1.0, "top_p": 0.7}, {"temperature": 0.8, "top_k": 3}]
+CONFIGS = [
+    {"temperature": 1.0},
+    {"temperature": 1.0, "top_p": 0.7},
+    {"temperature": 0.8, "top_k": 3},
+]
 
 
 @pytest.mark.parametrize("params", CONFIGS)
@@ -98,6 +115,7 @@ def test_biased_acceptance_is_detected(small_vocab, monkeypatch):
 
 # ----------------------------------------------------------------------------------------
 # rollback: the caches after each round
+
 
 def live_rows(engine, req_pool_idx: int, committed: int) -> dict[str, torch.Tensor]:
     """Every cache row a later step can still read, for positions < `committed`."""
@@ -153,18 +171,34 @@ def test_caches_after_every_round_equal_plain_processing(tmp_path, steps):
     path = build_tiny_v4_mtp_checkpoint(tmp_path / "c", seed=8)[0]
     prompts = make_prompts(3, seed=6, low=10, high=30)
     plain = Engine(model_path=str(path), dtype="float32", page_size=4)
-    references = {tuple(p): p + r["output_ids"] for p, r in zip(prompts, plain.generate(
-        input_ids=prompts, sampling_params={"temperature": 0, "max_new_tokens": 60, "ignore_eos": True}))}
+    references = {
+        tuple(p): p + r["output_ids"]
+        for p, r in zip(
+            prompts,
+            plain.generate(
+                input_ids=prompts,
+                sampling_params={"temperature": 0, "max_new_tokens": 60, "ignore_eos": True},
+            ),
+        )
+    }
 
     def spec_engine():
-        return Engine(model_path=str(path), dtype="float32", page_size=4, speculative_algorithm="NEXTN",
-                      speculative_num_steps=steps)
+        return Engine(
+            model_path=str(path),
+            dtype="float32",
+            page_size=4,
+            speculative_algorithm="NEXTN",
+            speculative_num_steps=steps,
+        )
 
     engine, reference = spec_engine(), spec_engine()
-    engine.worker.drafter = MTPThenOracle(engine.worker.drafter,
-                                          OracleDrafter(steps, references, noise=0.35, seed=1))
-    reqs = [Req(f"r{i}", p, SamplingParams(temperature=0, max_new_tokens=50, ignore_eos=True))
-            for i, p in enumerate(prompts)]
+    engine.worker.drafter = MTPThenOracle(
+        engine.worker.drafter, OracleDrafter(steps, references, noise=0.35, seed=1)
+    )
+    reqs = [
+        Req(f"r{i}", p, SamplingParams(temperature=0, max_new_tokens=50, ignore_eos=True))
+        for i, p in enumerate(prompts)
+    ]
     for req in reqs:
         engine.scheduler.add_request(req)
     rounds = 0
@@ -175,9 +209,14 @@ def test_caches_after_every_round_equal_plain_processing(tmp_path, steps):
             got = live_rows(engine, req.req_pool_idx, committed)
             want = fresh_prefill_rows(reference, req.all_ids[:committed])
             for key in want:
-                torch.testing.assert_close(got[key], want[key], atol=2e-5, rtol=0,
-                                           msg=lambda m, k=key: f"{k} after {committed} tokens: {m}")
+                torch.testing.assert_close(
+                    got[key],
+                    want[key],
+                    atol=2e-5,
+                    rtol=0,
+                    msg=lambda m, k=key, c=committed: f"{k} after {c} tokens: {m}",
+                )
         rounds += 1
     assert sum(1 for r in reqs for m, c in enumerate(r.spec_accept_hist) if 0 < m < steps and c) > 0
     for req in reqs:
-        assert req.all_ids == references[tuple(req.prompt_ids)][:len(req.all_ids)]
+        assert req.all_ids == references[tuple(req.prompt_ids)][: len(req.all_ids)]

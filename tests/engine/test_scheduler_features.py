@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from runtime import Engine
-from runtime.execution.penalties import RowHistory, adjust_logits
 from runtime.engine.sampling_params import SamplingParams
+from runtime.execution.penalties import RowHistory, adjust_logits
 from runtime.scheduler.request import Req
 from tests.engine.test_nextn import OracleDrafter
 from tests.tiny_checkpoints import build_tiny_v4_mtp_checkpoint, save_char_tokenizer
@@ -40,7 +40,9 @@ def reference(plain):
     """Plain greedy continuations (long enough for an oracle drafter)."""
     long = {**GREEDY, "max_new_tokens": GREEDY["max_new_tokens"] + 12}
     outs = plain.generate(PROMPTS, long)
-    return {tuple(plain.tokenize(p)): plain.tokenize(p) + o["output_ids"] for p, o in zip(PROMPTS, outs)}
+    return {
+        tuple(plain.tokenize(p)): plain.tokenize(p) + o["output_ids"] for p, o in zip(PROMPTS, outs)
+    }
 
 
 def oracle_engine(path, reference, steps=3, **kw):
@@ -52,7 +54,11 @@ def oracle_engine(path, reference, steps=3, **kw):
 @pytest.mark.parametrize("spec", [False, True])
 def test_chunked_prefill_mixed_with_decode_keeps_output(ckpt, plain, reference, spec):
     expected = [o["output_ids"] for o in plain.generate(PROMPTS, GREEDY)]
-    e = oracle_engine(ckpt, reference, chunked_prefill_size=3) if spec else engine(ckpt, chunked_prefill_size=3)
+    e = (
+        oracle_engine(ckpt, reference, chunked_prefill_size=3)
+        if spec
+        else engine(ckpt, chunked_prefill_size=3)
+    )
     # staggered arrivals: later prompts are prefilled in chunks while earlier ones decode
     reqs = [e.make_request(e.tokenize(p), GREEDY) for p in PROMPTS]
     steps = 0
@@ -74,20 +80,29 @@ def test_stop_strings_inside_accepted_runs(ckpt, plain, reference):
         free = plain.generate(prompt, GREEDY)
         text = free["text"]
         for start, length in ((5, 3), (10, 2), (13, 4)):
-            stop = text[start:start + length]
+            stop = text[start : start + length]
             cut = text.index(stop)
             out = e.generate(prompt, {**GREEDY, "stop": stop})
             assert out["text"] == text[:cut]
             assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
             # tokens stop at the one that completed the stop string (1 char per token here)
-            assert out["output_ids"] == free["output_ids"][:cut + length]
+            assert out["output_ids"] == free["output_ids"][: cut + length]
             trimmed = e.generate(prompt, {**GREEDY, "stop": stop, "no_stop_trim": True})
-            assert trimmed["text"] == text[:cut + length]
+            assert trimmed["text"] == text[: cut + length]
 
 
 def test_penalty_formulas():
-    req = Req("r", [5, 6], SamplingParams(frequency_penalty=0.5, presence_penalty=0.25, repetition_penalty=1.5,
-                                          min_new_tokens=5, stop_token_ids=[2]))
+    req = Req(
+        "r",
+        [5, 6],
+        SamplingParams(
+            frequency_penalty=0.5,
+            presence_penalty=0.25,
+            repetition_penalty=1.5,
+            min_new_tokens=5,
+            stop_token_ids=[2],
+        ),
+    )
     req.output_ids = [3, 3, 7]
     logits = torch.tensor([[1.0, -1.0, 0.5, 2.0, 0.3, 1.2, -0.6, 0.9]])
     out = adjust_logits(logits, [RowHistory(req, (7,))], eos_ids={1})[0]
@@ -97,11 +112,15 @@ def test_penalty_formulas():
         expected[token] -= 0.5 * count + 0.25
     for token in (3, 5, 6, 7):  # prompt and output tokens
         expected[token] = expected[token] / 1.5 if expected[token] > 0 else expected[token] * 1.5
-    expected[1] = expected[2] = float("-inf")  # 4 tokens so far (3 + 1 tentative) < 5: EOS, stop ids banned
+    expected[1] = expected[2] = float(
+        "-inf"
+    )  # 4 tokens so far (3 + 1 tentative) < 5: EOS, stop ids banned
     torch.testing.assert_close(out, expected)
 
 
-@pytest.mark.parametrize("params", [{"repetition_penalty": 1.3}, {"frequency_penalty": 0.8, "presence_penalty": 0.4}])
+@pytest.mark.parametrize(
+    "params", [{"repetition_penalty": 1.3}, {"frequency_penalty": 0.8, "presence_penalty": 0.4}]
+)
 def test_penalties_are_lossless_under_nextn(ckpt, plain, reference, params):
     """Greedy with penalties: verify row j must see drafts d1..dj as history, else NEXTN
     output would drift from plain decoding."""
@@ -109,7 +128,9 @@ def test_penalties_are_lossless_under_nextn(ckpt, plain, reference, params):
     expected = [o["output_ids"] for o in plain.generate(PROMPTS, p)]
     assert expected != [o["output_ids"] for o in plain.generate(PROMPTS, GREEDY)]  # they matter
     e = engine(ckpt, speculative_algorithm="NEXTN", speculative_num_steps=3)
-    penalised_reference = {tuple(plain.tokenize(q)): plain.tokenize(q) + o for q, o in zip(PROMPTS, expected)}
+    penalised_reference = {
+        tuple(plain.tokenize(q)): plain.tokenize(q) + o for q, o in zip(PROMPTS, expected)
+    }
     e.worker.drafter = OracleDrafter(3, penalised_reference, noise=0.25)
     assert [o["output_ids"] for o in e.generate(PROMPTS, p)] == expected
     assert e.avg_spec_accept_length > 1.5
@@ -121,7 +142,9 @@ def test_min_new_tokens_bans_eos(ckpt):
     e.eos_ids.clear()
     e.eos_ids.add(free[2])
     assert len(e.generate(PROMPTS[0], {**GREEDY, "ignore_eos": False})["output_ids"]) == 3
-    out = e.generate(PROMPTS[0], {**GREEDY, "ignore_eos": False, "min_new_tokens": 10})["output_ids"]
+    out = e.generate(PROMPTS[0], {**GREEDY, "ignore_eos": False, "min_new_tokens": 10})[
+        "output_ids"
+    ]
     assert len(out) >= 10 and free[2] not in out[:9]
 
 
@@ -129,13 +152,23 @@ def test_logprobs_match_between_plain_and_nextn(ckpt, plain, reference):
     kw = dict(return_logprob=True, top_logprobs_num=2, logprob_start_len=0)
     a = plain.generate(PROMPTS[0], GREEDY, **kw)["meta_info"]
     b = oracle_engine(ckpt, reference).generate(PROMPTS[0], GREEDY, **kw)["meta_info"]
-    assert [t for _, t, _ in a["output_token_logprobs"]] == [t for _, t, _ in b["output_token_logprobs"]]
-    torch.testing.assert_close(torch.tensor([lp for lp, _, _ in a["output_token_logprobs"]]),
-                               torch.tensor([lp for lp, _, _ in b["output_token_logprobs"]]), atol=1e-4, rtol=0)
+    assert [t for _, t, _ in a["output_token_logprobs"]] == [
+        t for _, t, _ in b["output_token_logprobs"]
+    ]
+    torch.testing.assert_close(
+        torch.tensor([lp for lp, _, _ in a["output_token_logprobs"]]),
+        torch.tensor([lp for lp, _, _ in b["output_token_logprobs"]]),
+        atol=1e-4,
+        rtol=0,
+    )
     prompt_len = a["prompt_tokens"]
     assert len(a["input_token_logprobs"]) == prompt_len and a["input_token_logprobs"][0][0] is None
-    torch.testing.assert_close(torch.tensor([lp for lp, _, _ in a["input_token_logprobs"][1:]]),
-                               torch.tensor([lp for lp, _, _ in b["input_token_logprobs"][1:]]), atol=1e-4, rtol=0)
+    torch.testing.assert_close(
+        torch.tensor([lp for lp, _, _ in a["input_token_logprobs"][1:]]),
+        torch.tensor([lp for lp, _, _ in b["input_token_logprobs"][1:]]),
+        atol=1e-4,
+        rtol=0,
+    )
     # the logprob of the greedy token is the largest one
     for (lp, _, _), top in zip(a["output_token_logprobs"], a["output_top_logprobs"]):
         assert lp == pytest.approx(top[0][0], abs=1e-6)
@@ -143,8 +176,12 @@ def test_logprobs_match_between_plain_and_nextn(ckpt, plain, reference):
 
 def test_prompt_logprobs_equal_a_direct_forward(plain):
     ids = plain.tokenize(PROMPTS[1])
-    out = plain.generate(input_ids=ids, sampling_params={"max_new_tokens": 1, "temperature": 0},
-                         return_logprob=True, logprob_start_len=2)
+    out = plain.generate(
+        input_ids=ids,
+        sampling_params={"max_new_tokens": 1, "temperature": 0},
+        return_logprob=True,
+        logprob_start_len=2,
+    )
     entries = out["meta_info"]["input_token_logprobs"]
     assert [t for _, t, _ in entries] == ids[2:]
     from runtime.execution.forward_mode import ForwardMode
@@ -153,11 +190,21 @@ def test_prompt_logprobs_equal_a_direct_forward(plain):
     table = plain.slot_table
     req = table.open_request()
     table.reserve(req, len(ids))
-    logits = plain.runner.forward(ModelInput(ForwardMode.EXTEND, torch.tensor(ids), [req], [0], [len(ids)],
-                                             logits_row_indices=list(range(len(ids))))).next_token_logits
+    logits = plain.runner.forward(
+        ModelInput(
+            ForwardMode.EXTEND,
+            torch.tensor(ids),
+            [req],
+            [0],
+            [len(ids)],
+            logits_row_indices=list(range(len(ids))),
+        )
+    ).next_token_logits
     table.release(req)
     direct = torch.log_softmax(logits, -1)[torch.arange(1, len(ids) - 1), torch.tensor(ids[2:])]
-    torch.testing.assert_close(torch.tensor([lp for lp, _, _ in entries]), direct, atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        torch.tensor([lp for lp, _, _ in entries]), direct, atol=1e-5, rtol=0
+    )
 
 
 def test_abort_frees_waiting_and_running_requests(ckpt):

@@ -31,15 +31,19 @@ def quantize_fp8_blocks(w: torch.Tensor, block: int, e8m0: bool):
     deq = torch.empty_like(w)
     for i in range(rows):
         for j in range(cols):
-            tile = w[i * block:(i + 1) * block, j * block:(j + 1) * block]
+            tile = w[i * block : (i + 1) * block, j * block : (j + 1) * block]
             s = tile.abs().max().clamp(min=1e-12) / FP8_MAX
             if e8m0:
                 s = torch.exp2(torch.ceil(torch.log2(s)))
             scale[i, j] = s
             qt = (tile / s).to(torch.float8_e4m3fn)
-            q[i * block:(i + 1) * block, j * block:(j + 1) * block] = qt
-            deq[i * block:(i + 1) * block, j * block:(j + 1) * block] = qt.float() * s
-    stored = (torch.log2(scale).round() + 127).to(torch.uint8).view(torch.float8_e8m0fnu) if e8m0 else scale
+            q[i * block : (i + 1) * block, j * block : (j + 1) * block] = qt
+            deq[i * block : (i + 1) * block, j * block : (j + 1) * block] = qt.float() * s
+    stored = (
+        (torch.log2(scale).round() + 127).to(torch.uint8).view(torch.float8_e8m0fnu)
+        if e8m0
+        else scale
+    )
     return q, stored, deq
 
 
@@ -59,9 +63,17 @@ def quantize_mxfp4(w: torch.Tensor):
     return packed, stored_scale, deq
 
 
-FP8_SUFFIXES = ("attn.wq_a.weight", "attn.wq_b.weight", "attn.wkv.weight", "attn.wo_a.weight",
-                "attn.wo_b.weight", "indexer.wq_b.weight", "shared_experts.w1.weight",
-                "shared_experts.w2.weight", "shared_experts.w3.weight")
+FP8_SUFFIXES = (
+    "attn.wq_a.weight",
+    "attn.wq_b.weight",
+    "attn.wkv.weight",
+    "attn.wo_a.weight",
+    "attn.wo_b.weight",
+    "indexer.wq_b.weight",
+    "shared_experts.w1.weight",
+    "shared_experts.w2.weight",
+    "shared_experts.w3.weight",
+)
 
 
 @pytest.mark.parametrize("e8m0", [False, True])
@@ -83,10 +95,23 @@ def test_quantized_released_checkpoint_loads(tmp_path, e8m0):
         else:
             quantized[name] = reference[name] = w
     config = json.loads((source / "config.json").read_text())
-    for directory, tensors, extra in ((tmp_path / "q", quantized, {
-            "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0",
-                                    "weight_block_size": [8, 8], "activation_scheme": "dynamic"},
-            "expert_dtype": "fp4"}), (tmp_path / "ref", reference, {})):
+    for directory, tensors, extra in (
+        (
+            tmp_path / "q",
+            quantized,
+            {
+                "quantization_config": {
+                    "quant_method": "fp8",
+                    "fmt": "e4m3",
+                    "scale_fmt": "ue8m0",
+                    "weight_block_size": [8, 8],
+                    "activation_scheme": "dynamic",
+                },
+                "expert_dtype": "fp4",
+            },
+        ),
+        (tmp_path / "ref", reference, {}),
+    ):
         directory.mkdir()
         (directory / "config.json").write_text(json.dumps({**config, **extra}))
         save_file(tensors, str(directory / "model.safetensors"))
@@ -96,8 +121,16 @@ def test_quantized_released_checkpoint_loads(tmp_path, e8m0):
         runner, table = make_runner(directory)
         req = table.open_request()
         table.reserve(req, len(ids))
-        out = runner.forward(ModelInput(ForwardMode.EXTEND, ids, [req], [0], [len(ids)],
-                                        logits_row_indices=all_rows(len(ids))))
+        out = runner.forward(
+            ModelInput(
+                ForwardMode.EXTEND,
+                ids,
+                [req],
+                [0],
+                [len(ids)],
+                logits_row_indices=all_rows(len(ids)),
+            )
+        )
         logits.append(out.next_token_logits)
     torch.testing.assert_close(logits[0], logits[1], atol=1e-5, rtol=0)
 
@@ -112,7 +145,9 @@ def copy_checkpoint(src, dst, edit):
 
 def test_missing_tensor_is_named(tiny_v4, tmp_path):
     path = copy_checkpoint(tiny_v4[0], tmp_path / "c", lambda s: s.pop("layers.1.attn.wq_b.weight"))
-    with pytest.raises(ValueError, match=r"(?s)missing 1 required tensor.*model\.layers\.1\.attn\.wq_b\.weight"):
+    with pytest.raises(
+        ValueError, match=r"(?s)missing 1 required tensor.*model\.layers\.1\.attn\.wq_b\.weight"
+    ):
         make_runner(path)
 
 
@@ -130,9 +165,14 @@ def test_missing_expert_and_stacked_shard_are_named(tiny_v4, tmp_path):
 
 
 def test_shape_mismatch_names_tensor_and_shapes(tiny_v4, tmp_path):
-    path = copy_checkpoint(tiny_v4[0], tmp_path / "c",
-                           lambda s: s.update({"layers.0.attn.wo_b.weight": torch.zeros(32, 25)}))
-    with pytest.raises(ValueError, match=r"(?s)layers\.0\.attn\.wo_b\.weight.*expected \(32, 24\), got \(32, 25\)"):
+    path = copy_checkpoint(
+        tiny_v4[0],
+        tmp_path / "c",
+        lambda s: s.update({"layers.0.attn.wo_b.weight": torch.zeros(32, 25)}),
+    )
+    with pytest.raises(
+        ValueError, match=r"(?s)layers\.0\.attn\.wo_b\.weight.*expected \(32, 24\), got \(32, 25\)"
+    ):
         make_runner(path)
 
 
@@ -156,10 +196,14 @@ def test_unsupported_architecture_lists_supported(tiny_v4, tmp_path):
     config = json.loads((dst / "config.json").read_text())
     config["architectures"] = ["FooForCausalLM"]
     (dst / "config.json").write_text(json.dumps(config))
-    with pytest.raises(UnsupportedArchitectureError, match=r"(?s)FooForCausalLM.*supported:.*DeepseekV4ForCausalLM"):
+    with pytest.raises(
+        UnsupportedArchitectureError, match=r"(?s)FooForCausalLM.*supported:.*DeepseekV4ForCausalLM"
+    ):
         make_runner(dst)
 
 
 def test_unsupported_dtype(tiny_v4):
-    with pytest.raises(ValueError, match="unsupported dtype 'int8'; use one of auto, float32, bfloat16"):
+    with pytest.raises(
+        ValueError, match="unsupported dtype 'int8'; use one of auto, float32, bfloat16"
+    ):
         ModelConfig.from_path(tiny_v4[0], "int8")

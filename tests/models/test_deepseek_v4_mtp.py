@@ -46,12 +46,22 @@ def dense_mtp(mtp_hf, tensors, embed, head, next_ids, prev_hidden):
     embeddings = {kind: rope(x, pos, layer_type=kind) for kind in ("main", "compress")}
     block = mtp_hf.model.layers[cfg.num_hidden_layers - 1]
     with torch.no_grad():
-        out = block(x.unsqueeze(0), input_ids=next_ids.unsqueeze(0), position_embeddings=embeddings,
-                    position_ids=pos, attention_mask=mask)[0]
+        out = block(
+            x.unsqueeze(0),
+            input_ids=next_ids.unsqueeze(0),
+            position_embeddings=embeddings,
+            position_ids=pos,
+            attention_mask=mask,
+        )[0]
     flat = out.flatten(1)
-    mixes = F.linear(flat * torch.rsqrt(flat.pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps),
-                     tensors["mtp.0.hc_head_fn"])
-    pre = torch.sigmoid(mixes * tensors["mtp.0.hc_head_scale"] + tensors["mtp.0.hc_head_base"]) + cfg.hc_eps
+    mixes = F.linear(
+        flat * torch.rsqrt(flat.pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps),
+        tensors["mtp.0.hc_head_fn"],
+    )
+    pre = (
+        torch.sigmoid(mixes * tensors["mtp.0.hc_head_scale"] + tensors["mtp.0.hc_head_base"])
+        + cfg.hc_eps
+    )
     y = rms((pre.unsqueeze(-1) * out).sum(1), tensors["mtp.0.norm.weight"])
     return y @ head.T, flat
 
@@ -64,8 +74,9 @@ def test_paged_mtp_matches_dense_restatement_per_step(mtp_ckpt):
     embed, head = tensors["embed.weight"], tensors["head.weight"]
     config = ModelConfig.from_path(path, "float32")
     table = SlotTable(ReqToTokenPool(4, 256), PagedTokenAllocator(64, 4))
-    draft = ModelRunner(config, table, max_tokens_per_pass=4, model_cls=DeepseekV4ForCausalLMNextN,
-                        progress=False)
+    draft = ModelRunner(
+        config, table, max_tokens_per_pass=4, model_cls=DeepseekV4ForCausalLMNextN, progress=False
+    )
     draft.model.set_embed_and_head(embed, head)
 
     prompt_len, steps = 37, 4
@@ -74,28 +85,58 @@ def test_paged_mtp_matches_dense_restatement_per_step(mtp_ckpt):
     target = ModelRunner(config, table, max_tokens_per_pass=4, progress=False)
     req = table.open_request()
     table.reserve(req, prompt_len + steps + 2)
-    out = target.forward(ModelInput(ForwardMode.EXTEND, ids[:prompt_len], [req], [0], [prompt_len],
-                                    capture_hidden_mode=CaptureHiddenMode.FULL))
+    out = target.forward(
+        ModelInput(
+            ForwardMode.EXTEND,
+            ids[:prompt_len],
+            [req],
+            [0],
+            [prompt_len],
+            capture_hidden_mode=CaptureHiddenMode.FULL,
+        )
+    )
     target_hidden = out.hidden_states
 
     # paged: draft extend over the prompt, then chained single-token steps
-    next_ids = ids[1:prompt_len + 1]
-    step = draft.forward(ModelInput(ForwardMode.DRAFT_EXTEND, next_ids, [req], [0], [prompt_len],
-                                    capture_hidden_mode=CaptureHiddenMode.LAST, captured_hidden_states=target_hidden))
+    next_ids = ids[1 : prompt_len + 1]
+    step = draft.forward(
+        ModelInput(
+            ForwardMode.DRAFT_EXTEND,
+            next_ids,
+            [req],
+            [0],
+            [prompt_len],
+            capture_hidden_mode=CaptureHiddenMode.LAST,
+            captured_hidden_states=target_hidden,
+        )
+    )
     paged = [(step.next_token_logits[0], step.hidden_states[0])]
     for i in range(1, steps):
         token = step.next_token_logits.argmax(-1)
-        step = draft.forward(ModelInput(ForwardMode.DECODE, token, [req], [prompt_len + i - 1], [1],
-                                        capture_hidden_mode=CaptureHiddenMode.LAST,
-                                        captured_hidden_states=step.hidden_states, spec_step_idx=i))
+        step = draft.forward(
+            ModelInput(
+                ForwardMode.DECODE,
+                token,
+                [req],
+                [prompt_len + i - 1],
+                [1],
+                capture_hidden_mode=CaptureHiddenMode.LAST,
+                captured_hidden_states=step.hidden_states,
+                spec_step_idx=i,
+            )
+        )
         paged.append((step.next_token_logits[0], step.hidden_states[0]))
 
     # dense: recompute the whole chained sequence from scratch for every step
     seq_ids, seq_hidden = next_ids.clone(), target_hidden.clone()
     for i, (logits, hidden) in enumerate(paged):
         dense_logits, dense_hidden = dense_mtp(mtp_hf, tensors, embed, head, seq_ids, seq_hidden)
-        torch.testing.assert_close(logits, dense_logits[-1], atol=ATOL, rtol=0, msg=f"step {i} logits")
-        torch.testing.assert_close(hidden, dense_hidden[-1], atol=ATOL, rtol=0, msg=f"step {i} hidden")
+        torch.testing.assert_close(
+            logits, dense_logits[-1], atol=ATOL, rtol=0, msg=f"step {i} logits"
+        )
+        torch.testing.assert_close(
+            hidden, dense_hidden[-1], atol=ATOL, rtol=0, msg=f"step {i} hidden"
+        )
         seq_ids = torch.cat([seq_ids, dense_logits[-1].argmax().view(1)])
         seq_hidden = torch.cat([seq_hidden, dense_hidden[-1:]])
 
@@ -109,8 +150,12 @@ def released_mtp_keys(num_experts=256):
     keys += [f"mtp.0.hc_{part}_{k}" for part in ("attn", "ffn") for k in ("fn", "base", "scale")]
     keys += ["mtp.0.ffn.gate.weight", "mtp.0.ffn.gate.bias"]
     keys += [f"mtp.0.ffn.shared_experts.w{i}.{s}" for i in (1, 2, 3) for s in ("weight", "scale")]
-    keys += [f"mtp.0.ffn.experts.{e}.w{i}.{s}" for e in range(num_experts) for i in (1, 2, 3)
-             for s in ("weight", "scale")]
+    keys += [
+        f"mtp.0.ffn.experts.{e}.w{i}.{s}"
+        for e in range(num_experts)
+        for i in (1, 2, 3)
+        for s in ("weight", "scale")
+    ]
     keys += [f"mtp.0.{p}.{s}" for p in ("e_proj", "h_proj") for s in ("weight", "scale")]
     keys += ["mtp.0.enorm.weight", "mtp.0.hnorm.weight", "mtp.0.norm.weight"]
     keys += ["mtp.0.hc_head_fn", "mtp.0.hc_head_base", "mtp.0.hc_head_scale"]
@@ -132,10 +177,20 @@ def test_mtp_name_remapping_on_the_released_key_list():
     assert mapped["mtp.0.hc_head_fn"] == "layers.43.hc_head_fn"
     assert len(set(mapped.values())) == len(keys)
     # decoys: the trunk, other MTP depths, shared embedding and head
-    for decoy in ("layers.42.attn.wq_a.weight", "embed.weight", "head.weight", "mtp.1.enorm.weight",
-                  "mtp.0.emb.tok_emb.weight", "mtp.0.head.weight", "model.layers.42.attn.wkv.weight"):
+    for decoy in (
+        "layers.42.attn.wq_a.weight",
+        "embed.weight",
+        "head.weight",
+        "mtp.1.enorm.weight",
+        "mtp.0.emb.tok_emb.weight",
+        "mtp.0.head.weight",
+        "model.layers.42.attn.wkv.weight",
+    ):
         assert remap_mtp_name(decoy, 43, 1) is None
     # the spec-layer spelling other engines write
-    assert remap_mtp_name("model.layers.43.mtp_block.attn.wkv.weight", 43, 1) == "layers.43.mtp_block.attn.wkv.weight"
+    assert (
+        remap_mtp_name("model.layers.43.mtp_block.attn.wkv.weight", 43, 1)
+        == "layers.43.mtp_block.attn.wkv.weight"
+    )
     assert remap_mtp_name("model.layers.43.enorm.weight", 43, 1) == "layers.43.enorm.weight"
     assert remap_mtp_name("model.layers.43.shared_head.head.weight", 43, 1) is None

@@ -22,7 +22,9 @@ ATOL = 1e-4
 
 def make_runner(path, page_size=1, max_reqs=8, tokens=1024):
     config = ModelConfig.from_path(path, "float32")
-    table = SlotTable(ReqToTokenPool(max_reqs, tokens), PagedTokenAllocator(tokens // page_size, page_size))
+    table = SlotTable(
+        ReqToTokenPool(max_reqs, tokens), PagedTokenAllocator(tokens // page_size, page_size)
+    )
     return ModelRunner(config, table, progress=False), table
 
 
@@ -47,8 +49,11 @@ def test_prefill_logits_match_transformers(request, fixture, page_size):
     ids = random_ids(70, seed=1)
     req = table.open_request()
     table.reserve(req, len(ids))
-    out = runner.forward(ModelInput(ForwardMode.EXTEND, ids, [req], [0], [len(ids)],
-                                    logits_row_indices=all_rows(len(ids))))
+    out = runner.forward(
+        ModelInput(
+            ForwardMode.EXTEND, ids, [req], [0], [len(ids)], logits_row_indices=all_rows(len(ids))
+        )
+    )
     torch.testing.assert_close(out.next_token_logits, hf_logits(hf, ids), atol=ATOL, rtol=0)
 
 
@@ -62,9 +67,10 @@ def test_token_by_token_decode_matches_full_sequence(tiny_v4, page_size):
     req = table.open_request()
     table.reserve(req, len(ids))
     for t in range(len(ids)):
-        out = runner.forward(ModelInput(ForwardMode.DECODE, ids[t:t + 1], [req], [t], [1]))
-        torch.testing.assert_close(out.next_token_logits[0], ref[t], atol=ATOL, rtol=0,
-                                   msg=lambda m, t=t: f"step {t}: {m}")
+        out = runner.forward(ModelInput(ForwardMode.DECODE, ids[t : t + 1], [req], [t], [1]))
+        torch.testing.assert_close(
+            out.next_token_logits[0], ref[t], atol=ATOL, rtol=0, msg=lambda m, t=t: f"step {t}: {m}"
+        )
 
 
 def test_chunked_prefill_equals_one_shot(tiny_v4):
@@ -76,9 +82,19 @@ def test_chunked_prefill_equals_one_shot(tiny_v4):
     table.reserve(req, len(ids))
     start = 0
     for chunk in (5, 11, 1, 17, 27):  # chunk edges inside and across compress blocks
-        out = runner.forward(ModelInput(ForwardMode.EXTEND, ids[start:start + chunk], [req], [start], [chunk],
-                                        logits_row_indices=all_rows(chunk)))
-        torch.testing.assert_close(out.next_token_logits, ref[start:start + chunk], atol=ATOL, rtol=0)
+        out = runner.forward(
+            ModelInput(
+                ForwardMode.EXTEND,
+                ids[start : start + chunk],
+                [req],
+                [start],
+                [chunk],
+                logits_row_indices=all_rows(chunk),
+            )
+        )
+        torch.testing.assert_close(
+            out.next_token_logits, ref[start : start + chunk], atol=ATOL, rtol=0
+        )
         start += chunk
 
 
@@ -94,13 +110,20 @@ def test_ragged_batch_matches_each_request_alone(tiny_v4_hc2, page_size):
         table.reserve(req, len(seq))
         if done:
             runner.forward(ModelInput(ForwardMode.EXTEND, seq[:done], [req], [0], [done]))
-    ids = torch.cat([s[c:c + e] for s, c, e in zip(seqs, cached, extend)])
-    out = runner.forward(ModelInput(ForwardMode.EXTEND, ids, reqs, cached, extend,
-                                    logits_row_indices=all_rows(len(ids))))
+    ids = torch.cat([s[c : c + e] for s, c, e in zip(seqs, cached, extend)])
+    out = runner.forward(
+        ModelInput(
+            ForwardMode.EXTEND, ids, reqs, cached, extend, logits_row_indices=all_rows(len(ids))
+        )
+    )
     row = 0
     for seq, done, new in zip(seqs, cached, extend):
-        torch.testing.assert_close(out.next_token_logits[row:row + new], hf_logits(hf, seq)[done:done + new],
-                                   atol=ATOL, rtol=0)
+        torch.testing.assert_close(
+            out.next_token_logits[row : row + new],
+            hf_logits(hf, seq)[done : done + new],
+            atol=ATOL,
+            rtol=0,
+        )
         row += new
 
 
@@ -111,8 +134,16 @@ def test_hidden_capture_is_the_pre_head_streams(tiny_v4):
     ids = random_ids(20, seed=4)
     req = table.open_request()
     table.reserve(req, len(ids))
-    out = runner.forward(ModelInput(ForwardMode.EXTEND, ids, [req], [0], [len(ids)],
-                                    capture_hidden_mode=CaptureHiddenMode.FULL))
+    out = runner.forward(
+        ModelInput(
+            ForwardMode.EXTEND,
+            ids,
+            [req],
+            [0],
+            [len(ids)],
+            capture_hidden_mode=CaptureHiddenMode.FULL,
+        )
+    )
     config = hf.config
     assert out.hidden_states.shape == (len(ids), config.hc_mult * config.hidden_size)
     streams = out.hidden_states.view(len(ids), config.hc_mult, config.hidden_size).unsqueeze(0)
@@ -128,8 +159,11 @@ def test_loads_transformers_save_pretrained_naming(tiny_v4, tmp_path):
     ids = random_ids(30, seed=5)
     req = table.open_request()
     table.reserve(req, len(ids))
-    out = runner.forward(ModelInput(ForwardMode.EXTEND, ids, [req], [0], [len(ids)],
-                                    logits_row_indices=all_rows(len(ids))))
+    out = runner.forward(
+        ModelInput(
+            ForwardMode.EXTEND, ids, [req], [0], [len(ids)], logits_row_indices=all_rows(len(ids))
+        )
+    )
     torch.testing.assert_close(out.next_token_logits, hf_logits(hf, ids), atol=ATOL, rtol=0)
 
 
@@ -139,13 +173,18 @@ def test_loads_raw_state_dict_module_names(tiny_v4, tmp_path):
 
     path, hf = tiny_v4
     (tmp_path / "config.json").write_text((path / "config.json").read_text())
-    save_file({k: v.contiguous() for k, v in hf.state_dict().items()}, str(tmp_path / "model.safetensors"))
+    save_file(
+        {k: v.contiguous() for k, v in hf.state_dict().items()}, str(tmp_path / "model.safetensors")
+    )
     runner, table = make_runner(tmp_path)
     ids = random_ids(25, seed=6)
     req = table.open_request()
     table.reserve(req, len(ids))
-    out = runner.forward(ModelInput(ForwardMode.EXTEND, ids, [req], [0], [len(ids)],
-                                    logits_row_indices=all_rows(len(ids))))
+    out = runner.forward(
+        ModelInput(
+            ForwardMode.EXTEND, ids, [req], [0], [len(ids)], logits_row_indices=all_rows(len(ids))
+        )
+    )
     torch.testing.assert_close(out.next_token_logits, hf_logits(hf, ids), atol=ATOL, rtol=0)
 
 
@@ -162,12 +201,30 @@ def test_indexer_ties_break_the_same_way_in_any_batch(tmp_path):
     for seq in seqs:
         req = table.open_request()
         table.reserve(req, len(seq))
-        alone.append(runner.forward(ModelInput(ForwardMode.EXTEND, seq, [req], [0], [len(seq)],
-                                               logits_row_indices=all_rows(len(seq)))).next_token_logits)
+        alone.append(
+            runner.forward(
+                ModelInput(
+                    ForwardMode.EXTEND,
+                    seq,
+                    [req],
+                    [0],
+                    [len(seq)],
+                    logits_row_indices=all_rows(len(seq)),
+                )
+            ).next_token_logits
+        )
         table.release(req)
     reqs = [table.open_request() for _ in seqs]
     for req, seq in zip(reqs, seqs):
         table.reserve(req, len(seq))
-    out = runner.forward(ModelInput(ForwardMode.EXTEND, torch.cat(seqs), reqs, [0] * 4, [len(s) for s in seqs],
-                                    logits_row_indices=all_rows(sum(len(s) for s in seqs))))
+    out = runner.forward(
+        ModelInput(
+            ForwardMode.EXTEND,
+            torch.cat(seqs),
+            reqs,
+            [0] * 4,
+            [len(s) for s in seqs],
+            logits_row_indices=all_rows(sum(len(s) for s in seqs)),
+        )
+    )
     torch.testing.assert_close(out.next_token_logits, torch.cat(alone), atol=ATOL, rtol=0)

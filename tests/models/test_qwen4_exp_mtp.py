@@ -36,21 +36,28 @@ def dense_mtp(hf_plus, tensors, embed, head, next_ids, prev_streams, reuse_from=
 
     cfg = hf_plus.config
     n, hidden, length = cfg.hc_count, cfg.hidden_size, len(next_ids)
-    u = offset_norm(embed[next_ids], tensors["mtp.pre_fc_norm_embedding.weight"]) @ tensors["mtp.fc_embedding.weight"].T
+    u = (
+        offset_norm(embed[next_ids], tensors["mtp.pre_fc_norm_embedding.weight"])
+        @ tensors["mtp.fc_embedding.weight"].T
+    )
     s = offset_norm(prev_streams, tensors["mtp.pre_fc_norm_hidden.weight"]).view(length, n, hidden)
     streams = (s @ tensors["mtp.fc_hidden.weight"].T + u.unsqueeze(1)).flatten(1)
     positions = torch.arange(length)
-    causal = torch.where(positions.view(1, -1) <= positions.view(-1, 1), 0.0, float("-inf")).view(1, 1, length, length)
+    causal = torch.where(positions.view(1, -1) <= positions.view(-1, 1), 0.0, float("-inf")).view(
+        1, 1, length, length
+    )
     rope = hf_plus.model.rotary_emb(streams.unsqueeze(0), positions.view(1, 1, -1).expand(3, 1, -1))
     layer = hf_plus.model.layers[cfg.num_hidden_layers - 1]
     indexer = layer.self_attn.indexer
     original = indexer.forward
     if reuse_from is not None:
+
         def reuse(*args, **kwargs):
             mask = original(*args, **kwargs).clone()
             tail = (reuse_from + 1) // cfg.indexer_compress_ratio * cfg.indexer_compress_ratio
             mask[0, 0, -1] = mask[0, 0, reuse_from] | (positions >= tail)
             return mask
+
         indexer.forward = reuse
     try:
         with torch.no_grad():
@@ -75,46 +82,105 @@ def test_paged_mtp_matches_composed_oracle(mtp_ckpt, prompt_len):
     draft = ModelRunner(config, table, max_tokens_per_pass=5, model_cls=Qwen4ExpMTP, progress=False)
     draft.model.set_embed_and_head(embed, head)
     steps = 4
-    ids = torch.randint(2, 128, (prompt_len + 1,), generator=torch.Generator().manual_seed(prompt_len))
+    ids = torch.randint(
+        2, 128, (prompt_len + 1,), generator=torch.Generator().manual_seed(prompt_len)
+    )
     req = table.open_request()
     table.reserve(req, prompt_len + steps + 2)
-    hidden = target.forward(ModelInput(ForwardMode.EXTEND, ids[:prompt_len], [req], [0], [prompt_len],
-                                       capture_hidden_mode=CaptureHiddenMode.FULL)).hidden_states
-    next_ids = ids[1:prompt_len + 1]
-    step = draft.forward(ModelInput(ForwardMode.DRAFT_EXTEND, next_ids, [req], [0], [prompt_len],
-                                    capture_hidden_mode=CaptureHiddenMode.LAST, captured_hidden_states=hidden))
+    hidden = target.forward(
+        ModelInput(
+            ForwardMode.EXTEND,
+            ids[:prompt_len],
+            [req],
+            [0],
+            [prompt_len],
+            capture_hidden_mode=CaptureHiddenMode.FULL,
+        )
+    ).hidden_states
+    next_ids = ids[1 : prompt_len + 1]
+    step = draft.forward(
+        ModelInput(
+            ForwardMode.DRAFT_EXTEND,
+            next_ids,
+            [req],
+            [0],
+            [prompt_len],
+            capture_hidden_mode=CaptureHiddenMode.LAST,
+            captured_hidden_states=hidden,
+        )
+    )
     paged = [(step.next_token_logits[0], step.hidden_states[0])]
     for i in range(1, steps):
         token = step.next_token_logits.argmax(-1)
-        step = draft.forward(ModelInput(ForwardMode.DECODE, token, [req], [prompt_len + i - 1], [1],
-                                        capture_hidden_mode=CaptureHiddenMode.LAST,
-                                        captured_hidden_states=step.hidden_states, spec_step_idx=i))
+        step = draft.forward(
+            ModelInput(
+                ForwardMode.DECODE,
+                token,
+                [req],
+                [prompt_len + i - 1],
+                [1],
+                capture_hidden_mode=CaptureHiddenMode.LAST,
+                captured_hidden_states=step.hidden_states,
+                spec_step_idx=i,
+            )
+        )
         paged.append((step.next_token_logits[0], step.hidden_states[0]))
 
     seq_ids, seq_hidden = next_ids.clone(), hidden.clone()
     for i, (logits, streams) in enumerate(paged):
-        dense_logits, dense_streams = dense_mtp(hf_plus, tensors, embed, head, seq_ids, seq_hidden,
-                                                reuse_from=None if i == 0 else prompt_len - 1)
-        torch.testing.assert_close(logits, dense_logits[-1], atol=ATOL, rtol=0, msg=f"step {i} logits")
-        torch.testing.assert_close(streams, dense_streams[-1], atol=ATOL, rtol=0, msg=f"step {i} streams")
+        dense_logits, dense_streams = dense_mtp(
+            hf_plus,
+            tensors,
+            embed,
+            head,
+            seq_ids,
+            seq_hidden,
+            reuse_from=None if i == 0 else prompt_len - 1,
+        )
+        torch.testing.assert_close(
+            logits, dense_logits[-1], atol=ATOL, rtol=0, msg=f"step {i} logits"
+        )
+        torch.testing.assert_close(
+            streams, dense_streams[-1], atol=ATOL, rtol=0, msg=f"step {i} streams"
+        )
         seq_ids = torch.cat([seq_ids, dense_logits[-1].argmax().view(1)])
         seq_hidden = torch.cat([seq_hidden, dense_streams[-1:]])
 
 
 def released_qwen_mtp_keys():
     """The 31 `mtp.*` tensor names of Qwen3.8-Flash-Next (research/qwen4exp.md section 1.10)."""
-    keys = ["mtp.fc_embedding.weight", "mtp.fc_hidden.weight", "mtp.pre_fc_norm_embedding.weight",
-            "mtp.pre_fc_norm_hidden.weight"]
-    keys += [f"mtp.hyper_connection_mixer.{n}.weight" for n in ("hc_norm", "input_mix_weight_down",
-                                                                "input_mix_weight_up")]
-    keys += [f"mtp.layers.0.{part}_hyper_connection.{n}.weight" for part in ("attn", "mlp")
-             for n in ("hc_norm", "input_mix_weight_down", "input_mix_weight_up", "block_inject_weight")]
-    keys += [f"mtp.layers.0.self_attn.{n}.weight" for n in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm",
-                                                           "k_norm")]
-    keys += [f"mtp.layers.0.self_attn.indexer.{n}.weight" for n in ("index_qk_proj", "q_layernorm", "k_layernorm")]
-    keys += ["mtp.layers.0.mlp.gate.weight", "mtp.layers.0.mlp.experts.gate_up_proj",
-             "mtp.layers.0.mlp.experts.down_proj", "mtp.layers.0.mlp.shared_expert_gate.weight"]
-    keys += [f"mtp.layers.0.mlp.shared_expert.{n}.weight" for n in ("gate_proj", "up_proj", "down_proj")]
+    keys = [
+        "mtp.fc_embedding.weight",
+        "mtp.fc_hidden.weight",
+        "mtp.pre_fc_norm_embedding.weight",
+        "mtp.pre_fc_norm_hidden.weight",
+    ]
+    keys += [
+        f"mtp.hyper_connection_mixer.{n}.weight"
+        for n in ("hc_norm", "input_mix_weight_down", "input_mix_weight_up")
+    ]
+    keys += [
+        f"mtp.layers.0.{part}_hyper_connection.{n}.weight"
+        for part in ("attn", "mlp")
+        for n in ("hc_norm", "input_mix_weight_down", "input_mix_weight_up", "block_inject_weight")
+    ]
+    keys += [
+        f"mtp.layers.0.self_attn.{n}.weight"
+        for n in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")
+    ]
+    keys += [
+        f"mtp.layers.0.self_attn.indexer.{n}.weight"
+        for n in ("index_qk_proj", "q_layernorm", "k_layernorm")
+    ]
+    keys += [
+        "mtp.layers.0.mlp.gate.weight",
+        "mtp.layers.0.mlp.experts.gate_up_proj",
+        "mtp.layers.0.mlp.experts.down_proj",
+        "mtp.layers.0.mlp.shared_expert_gate.weight",
+    ]
+    keys += [
+        f"mtp.layers.0.mlp.shared_expert.{n}.weight" for n in ("gate_proj", "up_proj", "down_proj")
+    ]
     return keys
 
 
@@ -124,18 +190,33 @@ def test_mtp_name_remapping_on_the_released_key_list():
     mapped = {k: Qwen4ExpMTP.map_name(k) for k in keys}
     assert all(v is not None for v in mapped.values())
     assert mapped["mtp.fc_hidden.weight"] == ("model.fc_hidden.weight", ())
-    assert mapped["mtp.layers.0.self_attn.k_proj.weight"] == ("model.layers.0.self_attn.qkv_proj.weight", (1,))
+    assert mapped["mtp.layers.0.self_attn.k_proj.weight"] == (
+        "model.layers.0.self_attn.qkv_proj.weight",
+        (1,),
+    )
     assert mapped["mtp.layers.0.mlp_hyper_connection.block_inject_weight.weight"] == (
-        "model.layers.0.mlp_hyper_connection.input_mix_weight_down_block_inject.weight", (1,))
+        "model.layers.0.mlp_hyper_connection.input_mix_weight_down_block_inject.weight",
+        (1,),
+    )
     assert mapped["mtp.hyper_connection_mixer.input_mix_weight_down.weight"] == (
-        "model.hyper_connection_mixer.input_mix_weight_down.weight", ())
-    assert mapped["mtp.layers.0.mlp.experts.gate_up_proj"] == ("model.layers.0.mlp.experts.w13_weight", ())
+        "model.hyper_connection_mixer.input_mix_weight_down.weight",
+        (),
+    )
+    assert mapped["mtp.layers.0.mlp.experts.gate_up_proj"] == (
+        "model.layers.0.mlp.experts.w13_weight",
+        (),
+    )
     assert len({v for v in mapped.values()}) == 31
     # the released checkpoint nests the text model; the MTP prefix may come either way
     assert remap_mtp_weight_name("model.mtp.fc_hidden.weight") == "model.fc_hidden.weight"
     assert remap_mtp_weight_name("model.language_model.mtp.fc_hidden.weight") is None or True
-    for decoy in ("model.language_model.layers.3.self_attn.q_proj.weight", "model.language_model.embed_tokens.weight",
-                  "lm_head.weight", "model.visual.blocks.0.attn.qkv.weight",
-                  "model.language_model.hyper_connection_mixer.hc_norm.weight", "mtp.shared_head.head.weight"):
+    for decoy in (
+        "model.language_model.layers.3.self_attn.q_proj.weight",
+        "model.language_model.embed_tokens.weight",
+        "lm_head.weight",
+        "model.visual.blocks.0.attn.qkv.weight",
+        "model.language_model.hyper_connection_mixer.hc_norm.weight",
+        "mtp.shared_head.head.weight",
+    ):
         assert Qwen4ExpMTP.map_name(decoy) is None
     assert Qwen4ExpMTP.map_name("mtp.hyper_connection_mixer.block_inject_weight.weight") is None

@@ -30,7 +30,9 @@ def token_ids(n, seed, eos_every=0):
 @pytest.fixture(scope="module", params=["ple", "no_ple"])
 def qwen(request, tmp_path_factory):
     overrides = {} if request.param == "ple" else {"ple_layer_ids": []}
-    return build_tiny_qwen4_exp_checkpoint(tmp_path_factory.mktemp(f"qwen_{request.param}"), seed=3, **overrides)
+    return build_tiny_qwen4_exp_checkpoint(
+        tmp_path_factory.mktemp(f"qwen_{request.param}"), seed=3, **overrides
+    )
 
 
 @pytest.mark.parametrize("page_size", [1, 4])
@@ -40,8 +42,11 @@ def test_prefill_matches_transformers(qwen, page_size):
     ids = token_ids(45, seed=1, eos_every=13)
     req = table.open_request()
     table.reserve(req, len(ids))
-    out = runner.forward(ModelInput(ForwardMode.EXTEND, ids, [req], [0], [len(ids)],
-                                    logits_row_indices=all_rows(len(ids))))
+    out = runner.forward(
+        ModelInput(
+            ForwardMode.EXTEND, ids, [req], [0], [len(ids)], logits_row_indices=all_rows(len(ids))
+        )
+    )
     torch.testing.assert_close(out.next_token_logits, hf_logits(hf, ids), atol=ATOL, rtol=0)
 
 
@@ -53,9 +58,10 @@ def test_decode_step_by_step_matches_full_sequence(qwen):
     req = table.open_request()
     table.reserve(req, len(ids))
     for t in range(len(ids)):
-        out = runner.forward(ModelInput(ForwardMode.DECODE, ids[t:t + 1], [req], [t], [1]))
-        torch.testing.assert_close(out.next_token_logits[0], ref[t], atol=ATOL, rtol=0,
-                                   msg=lambda m, t=t: f"step {t}: {m}")
+        out = runner.forward(ModelInput(ForwardMode.DECODE, ids[t : t + 1], [req], [t], [1]))
+        torch.testing.assert_close(
+            out.next_token_logits[0], ref[t], atol=ATOL, rtol=0, msg=lambda m, t=t: f"step {t}: {m}"
+        )
 
 
 def test_ragged_batch_and_chunked_prefill(qwen):
@@ -70,15 +76,24 @@ def test_ragged_batch_and_chunked_prefill(qwen):
         for chunk in (5, 7, 100):  # earlier chunks of various sizes
             n = min(chunk, done - start)
             if n > 0:
-                runner.forward(ModelInput(ForwardMode.EXTEND, seq[start:start + n], [req], [start], [n]))
+                runner.forward(
+                    ModelInput(ForwardMode.EXTEND, seq[start : start + n], [req], [start], [n])
+                )
                 start += n
-    ids = torch.cat([s[c:c + e] for s, c, e in zip(seqs, cached, extend)])
-    out = runner.forward(ModelInput(ForwardMode.EXTEND, ids, reqs, cached, extend,
-                                    logits_row_indices=all_rows(len(ids))))
+    ids = torch.cat([s[c : c + e] for s, c, e in zip(seqs, cached, extend)])
+    out = runner.forward(
+        ModelInput(
+            ForwardMode.EXTEND, ids, reqs, cached, extend, logits_row_indices=all_rows(len(ids))
+        )
+    )
     row = 0
     for seq, done, new in zip(seqs, cached, extend):
-        torch.testing.assert_close(out.next_token_logits[row:row + new], hf_logits(hf, seq)[done:done + new],
-                                   atol=ATOL, rtol=0)
+        torch.testing.assert_close(
+            out.next_token_logits[row : row + new],
+            hf_logits(hf, seq)[done : done + new],
+            atol=ATOL,
+            rtol=0,
+        )
         row += new
 
 
@@ -88,6 +103,9 @@ def test_silu_output_gate(tmp_path):
     ids = token_ids(25, seed=5)
     req = table.open_request()
     table.reserve(req, len(ids))
-    out = runner.forward(ModelInput(ForwardMode.EXTEND, ids, [req], [0], [len(ids)],
-                                    logits_row_indices=all_rows(len(ids))))
+    out = runner.forward(
+        ModelInput(
+            ForwardMode.EXTEND, ids, [req], [0], [len(ids)], logits_row_indices=all_rows(len(ids))
+        )
+    )
     torch.testing.assert_close(out.next_token_logits, hf_logits(hf, ids), atol=ATOL, rtol=0)

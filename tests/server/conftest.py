@@ -27,8 +27,20 @@ class ServerProcess:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = open(os.devnull, "w")
-        cmd = [sys.executable, "-m", "runtime.launch_server", "--model-path", str(model_path),
-               "--port", str(self.port), "--dtype", "float32", "--log-level", "warning", *flags]
+        cmd = [
+            sys.executable,
+            "-m",
+            "runtime.launch_server",
+            "--model-path",
+            str(model_path),
+            "--port",
+            str(self.port),
+            "--dtype",
+            "float32",
+            "--log-level",
+            "warning",
+            *flags,
+        ]
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
         self.api_key = flags[flags.index("--api-key") + 1] if "--api-key" in flags else None
         deadline = time.time() + 120
@@ -48,10 +60,14 @@ class ServerProcess:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     def post(self, path, headers=None, **kw):
-        return requests.post(self.url + path, headers={**self.headers, **(headers or {})}, timeout=120, **kw)
+        return requests.post(
+            self.url + path, headers={**self.headers, **(headers or {})}, timeout=120, **kw
+        )
 
     def get(self, path, headers=None, **kw):
-        return requests.get(self.url + path, headers={**self.headers, **(headers or {})}, timeout=120, **kw)
+        return requests.get(
+            self.url + path, headers={**self.headers, **(headers or {})}, timeout=120, **kw
+        )
 
     def info(self) -> dict:
         return self.get("/get_server_info").json()
@@ -83,17 +99,37 @@ def served_checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def spec_server(served_checkpoint):
-    server = ServerProcess(served_checkpoint, "--speculative-algorithm", "NEXTN", "--enable-metrics",
-                           "--chunked-prefill-size", "16", "--served-model-name", "tiny-v4",
-                           "--max-running-requests", "64", "--page-size", "4")
+    server = ServerProcess(
+        served_checkpoint,
+        "--speculative-algorithm",
+        "NEXTN",
+        "--enable-metrics",
+        "--chunked-prefill-size",
+        "16",
+        "--served-model-name",
+        "tiny-v4",
+        "--max-running-requests",
+        "64",
+        "--page-size",
+        "4",
+    )
     yield server
     server.stop()
 
 
 @pytest.fixture(scope="session")
 def plain_server(served_checkpoint):
-    server = ServerProcess(served_checkpoint, "--api-key", "sekret", "--enable-metrics",
-                           "--chunked-prefill-size", "16", "--served-model-name", "tiny-v4",
-                           "--max-running-requests", "64")
+    server = ServerProcess(
+        served_checkpoint,
+        "--api-key",
+        "sekret",
+        "--enable-metrics",
+        "--chunked-prefill-size",
+        "16",
+        "--served-model-name",
+        "tiny-v4",
+        "--max-running-requests",
+        "64",
+    )
     yield server
     server.stop()

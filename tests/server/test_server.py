@@ -19,12 +19,19 @@ PROMPT = "def fib(n): return n"
 
 
 def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key=server.api_key or "none", max_retries=0)
+    return openai.OpenAI(
+        base_url=server.url + "/v1", api_key=server.api_key or "none", max_retries=0
+    )
 
 
 def greedy_text(server, prompt=PROMPT, max_tokens=24) -> str:
-    out = client(server).completions.create(model="tiny-v4", prompt=prompt, max_tokens=max_tokens,
-                                            temperature=0, extra_body={"ignore_eos": True})
+    out = client(server).completions.create(
+        model="tiny-v4",
+        prompt=prompt,
+        max_tokens=max_tokens,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
     return out.choices[0].text
 
 
@@ -39,16 +46,27 @@ def sse_events(response) -> list:
 
 # -- OpenAI client -------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("which", ["spec_server", "plain_server"])
 def test_openai_completion_and_chat(request, which):
     server = request.getfixturevalue(which)
     c = client(server)
-    out = c.completions.create(model="tiny-v4", prompt=PROMPT, max_tokens=10, temperature=0,
-                               extra_body={"ignore_eos": True})
+    out = c.completions.create(
+        model="tiny-v4",
+        prompt=PROMPT,
+        max_tokens=10,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
     assert out.choices[0].finish_reason == "length" and len(out.choices[0].text) > 0
     assert out.usage.completion_tokens == 10 and out.usage.prompt_tokens == len(PROMPT)
-    chat = c.chat.completions.create(model="tiny-v4", messages=[{"role": "user", "content": "hi"}],
-                                     max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+    chat = c.chat.completions.create(
+        model="tiny-v4",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=8,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
     assert chat.choices[0].message.role == "assistant"
     assert chat.usage.prompt_tokens == len("<|user|>hi\n<|assistant|>")
     models = c.models.list()
@@ -58,11 +76,22 @@ def test_openai_completion_and_chat(request, which):
 def test_streaming_chat_equals_non_streaming(spec_server):
     c = client(spec_server)
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "count"}]
-    whole = c.chat.completions.create(model="tiny-v4", messages=messages, max_tokens=30, temperature=0,
-                                      extra_body={"ignore_eos": True})
-    stream = c.chat.completions.create(model="tiny-v4", messages=messages, max_tokens=30, temperature=0,
-                                       stream=True, stream_options={"include_usage": True},
-                                       extra_body={"ignore_eos": True})
+    whole = c.chat.completions.create(
+        model="tiny-v4",
+        messages=messages,
+        max_tokens=30,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    stream = c.chat.completions.create(
+        model="tiny-v4",
+        messages=messages,
+        max_tokens=30,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
     pieces, reasons, usage = [], [], None
     for chunk in stream:
         if chunk.usage is not None:
@@ -76,7 +105,13 @@ def test_streaming_chat_equals_non_streaming(spec_server):
 
 def test_n_choices_and_seed_reproducibility(spec_server):
     c = client(spec_server)
-    kw = dict(model="tiny-v4", prompt=PROMPT, max_tokens=12, temperature=1.0, extra_body={"ignore_eos": True})
+    kw = dict(
+        model="tiny-v4",
+        prompt=PROMPT,
+        max_tokens=12,
+        temperature=1.0,
+        extra_body={"ignore_eos": True},
+    )
     first = c.completions.create(seed=1234, n=3, **kw)
     again = c.completions.create(seed=1234, n=3, **kw)
     other = c.completions.create(seed=99, n=3, **kw)
@@ -85,8 +120,13 @@ def test_n_choices_and_seed_reproducibility(spec_server):
     assert texts == [ch.text for ch in again.choices]
     assert texts != [ch.text for ch in other.choices]
     assert len(set(texts)) > 1  # choices of one seeded request still differ
-    chat = c.chat.completions.create(model="tiny-v4", messages=[{"role": "user", "content": "x"}], n=2,
-                                     max_tokens=5, temperature=1.0)
+    chat = c.chat.completions.create(
+        model="tiny-v4",
+        messages=[{"role": "user", "content": "x"}],
+        n=2,
+        max_tokens=5,
+        temperature=1.0,
+    )
     assert len(chat.choices) == 2
 
 
@@ -98,29 +138,56 @@ def test_stop_strings_never_leak(request, which):
     free = greedy_text(server, max_tokens=40)
     c = client(server)
     for length, at in ((2, 7), (3, 15), (1, 4)):
-        stop = free[at:at + length]
-        expected = free[:free.index(stop)]
-        out = c.completions.create(model="tiny-v4", prompt=PROMPT, max_tokens=40, temperature=0,
-                                   stop=[stop], extra_body={"ignore_eos": True})
+        stop = free[at : at + length]
+        expected = free[: free.index(stop)]
+        out = c.completions.create(
+            model="tiny-v4",
+            prompt=PROMPT,
+            max_tokens=40,
+            temperature=0,
+            stop=[stop],
+            extra_body={"ignore_eos": True},
+        )
         assert out.choices[0].text == expected and out.choices[0].finish_reason == "stop"
-        pieces = [ch.choices[0].text for ch in c.completions.create(
-            model="tiny-v4", prompt=PROMPT, max_tokens=40, temperature=0, stop=[stop], stream=True,
-            extra_body={"ignore_eos": True}) if ch.choices]
+        pieces = [
+            ch.choices[0].text
+            for ch in c.completions.create(
+                model="tiny-v4",
+                prompt=PROMPT,
+                max_tokens=40,
+                temperature=0,
+                stop=[stop],
+                stream=True,
+                extra_body={"ignore_eos": True},
+            )
+            if ch.choices
+        ]
         assert "".join(pieces) == expected
-        assert all(stop not in "".join(pieces[:k + 1]) for k in range(len(pieces)))
+        assert all(stop not in "".join(pieces[: k + 1]) for k in range(len(pieces)))
 
 
 def test_logprobs(spec_server):
     c = client(spec_server)
-    out = c.completions.create(model="tiny-v4", prompt=PROMPT, max_tokens=6, temperature=0, logprobs=3,
-                               extra_body={"ignore_eos": True})
+    out = c.completions.create(
+        model="tiny-v4",
+        prompt=PROMPT,
+        max_tokens=6,
+        temperature=0,
+        logprobs=3,
+        extra_body={"ignore_eos": True},
+    )
     lp = out.choices[0].logprobs
     assert len(lp.tokens) == 6 and len(lp.token_logprobs) == 6 and len(lp.top_logprobs) == 6
-    for token, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+    for value, top in zip(lp.token_logprobs, lp.top_logprobs):
         assert value <= 0 and len(top) == 3
         assert value == pytest.approx(max(top.values()), abs=1e-5)  # greedy picks the top token
-    body = {"text": PROMPT, "sampling_params": {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True},
-            "return_logprob": True, "logprob_start_len": 3, "top_logprobs_num": 2}
+    body = {
+        "text": PROMPT,
+        "sampling_params": {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True},
+        "return_logprob": True,
+        "logprob_start_len": 3,
+        "top_logprobs_num": 2,
+    }
     meta = spec_server.post("/generate", json=body).json()["meta_info"]
     assert meta["prompt_tokens"] == 3 + len(meta["input_token_logprobs"])
     assert len(meta["output_token_logprobs"]) == meta["completion_tokens"] == 4
@@ -129,20 +196,37 @@ def test_logprobs(spec_server):
 
 # -- SGLang native -------------------------------------------------------------------------
 
+
 def test_generate_single_batch_and_stream(spec_server):
     params = {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True}
     single = spec_server.post("/generate", json={"text": PROMPT, "sampling_params": params}).json()
     meta = single["meta_info"]
-    for key in ("id", "finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens", "e2e_latency",
-                "spec_verify_ct", "spec_accept_length"):
+    for key in (
+        "id",
+        "finish_reason",
+        "prompt_tokens",
+        "completion_tokens",
+        "cached_tokens",
+        "e2e_latency",
+        "spec_verify_ct",
+        "spec_accept_length",
+    ):
         assert key in meta
-    assert meta["completion_tokens"] == 16 and meta["finish_reason"] == {"type": "length", "length": 16}
-    batch = spec_server.post("/generate", json={"text": [PROMPT, "ab"], "sampling_params": params}).json()
+    assert meta["completion_tokens"] == 16 and meta["finish_reason"] == {
+        "type": "length",
+        "length": 16,
+    }
+    batch = spec_server.post(
+        "/generate", json={"text": [PROMPT, "ab"], "sampling_params": params}
+    ).json()
     assert isinstance(batch, list) and batch[0]["text"] == single["text"]
-    ids = spec_server.post("/generate", json={"input_ids": [[5, 6, 7], [8, 9]], "sampling_params": params}).json()
+    ids = spec_server.post(
+        "/generate", json={"input_ids": [[5, 6, 7], [8, 9]], "sampling_params": params}
+    ).json()
     assert [len(r["output_ids"]) for r in ids] == [16, 16]
-    with spec_server.post("/generate", json={"text": PROMPT, "sampling_params": params, "stream": True},
-                          stream=True) as response:
+    with spec_server.post(
+        "/generate", json={"text": PROMPT, "sampling_params": params, "stream": True}, stream=True
+    ) as response:
         events = sse_events(response)
     assert events[-1] == "[DONE]"
     chunks = events[:-1]
@@ -164,10 +248,17 @@ def test_admin_routes(spec_server, plain_server):
     assert spec_server.post("/flush_cache").status_code == 200
     assert spec_server.get("/flush_cache").status_code == 200
     metrics = spec_server.get("/metrics").text
-    for name in ("sglang:num_requests_total", "sglang:generation_tokens_total", "sglang:time_to_first_token",
-                 "sglang:inter_token_latency_seconds", "sglang:e2e_request_latency_seconds",
-                 "sglang:num_running_reqs", "sglang:num_queue_reqs", "sglang:token_usage",
-                 "sglang:spec_accept_length"):
+    for name in (
+        "sglang:num_requests_total",
+        "sglang:generation_tokens_total",
+        "sglang:time_to_first_token",
+        "sglang:inter_token_latency_seconds",
+        "sglang:e2e_request_latency_seconds",
+        "sglang:num_running_reqs",
+        "sglang:num_queue_reqs",
+        "sglang:token_usage",
+        "sglang:spec_accept_length",
+    ):
         assert name in metrics
 
 
@@ -176,8 +267,14 @@ def test_abort_request_route(spec_server):
     result = {}
 
     def run():
-        result["r"] = spec_server.post("/generate", json={
-            "text": PROMPT, "rid": rid, "sampling_params": {"max_new_tokens": 900, "ignore_eos": True}}).json()
+        result["r"] = spec_server.post(
+            "/generate",
+            json={
+                "text": PROMPT,
+                "rid": rid,
+                "sampling_params": {"max_new_tokens": 900, "ignore_eos": True},
+            },
+        ).json()
 
     thread = threading.Thread(target=run)
     thread.start()
@@ -191,19 +288,30 @@ def test_abort_request_route(spec_server):
 
 def test_client_disconnect_aborts_the_request(spec_server):
     before = spec_server.info()["internal_states"][0]["available_tokens"]
-    response = spec_server.post("/generate", json={"text": PROMPT, "stream": True,
-                                                    "sampling_params": {"max_new_tokens": 900, "ignore_eos": True}},
-                                stream=True)
+    response = spec_server.post(
+        "/generate",
+        json={
+            "text": PROMPT,
+            "stream": True,
+            "sampling_params": {"max_new_tokens": 900, "ignore_eos": True},
+        },
+        stream=True,
+    )
     next(response.iter_lines())
     response.close()
     state = spec_server.wait_idle(timeout=20)
     assert state["available_tokens"] == before
     metrics = spec_server.get("/metrics").text
-    aborted = [line for line in metrics.splitlines() if line.startswith("sglang:num_aborted_requests_total")]
+    aborted = [
+        line
+        for line in metrics.splitlines()
+        if line.startswith("sglang:num_aborted_requests_total")
+    ]
     assert float(aborted[0].split()[-1]) >= 1
 
 
 # -- load ------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("which", ["spec_server", "plain_server"])
 def test_64_concurrent_mixed_requests(request, which):
@@ -214,7 +322,11 @@ def test_64_concurrent_mixed_requests(request, which):
     def one(i):
         params = {"max_new_tokens": rng.randint(1, 40), "ignore_eos": i % 3 != 0}
         if i % 2:
-            params.update(temperature=rng.choice([0.5, 1.0]), top_p=rng.choice([0.8, 1.0]), top_k=rng.choice([-1, 5]))
+            params.update(
+                temperature=rng.choice([0.5, 1.0]),
+                top_p=rng.choice([0.8, 1.0]),
+                top_k=rng.choice([-1, 5]),
+            )
         else:
             params["temperature"] = 0
         prompt = "".join(rng.choice("abcdefgh ") for _ in range(rng.randint(1, 60)))
@@ -235,13 +347,31 @@ def test_64_concurrent_mixed_requests(request, which):
 def test_small_cache_retracts_and_keeps_greedy_output(served_checkpoint, spec_server):
     prompts = [PROMPT * (1 + i % 3) + str(i) for i in range(12)]
     params = {"temperature": 0, "max_new_tokens": 40, "ignore_eos": True}
-    expected = [r["text"] for r in spec_server.post("/generate", json={"text": prompts, "sampling_params": params}).json()]
-    small = ServerProcess(served_checkpoint, "--max-total-tokens", "256", "--page-size", "4",
-                          "--chunked-prefill-size", "32")
+    expected = [
+        r["text"]
+        for r in spec_server.post(
+            "/generate", json={"text": prompts, "sampling_params": params}
+        ).json()
+    ]
+    small = ServerProcess(
+        served_checkpoint,
+        "--max-total-tokens",
+        "256",
+        "--page-size",
+        "4",
+        "--chunked-prefill-size",
+        "32",
+    )
     try:
         with ThreadPoolExecutor(12) as pool:
-            got = list(pool.map(lambda p: small.post("/generate", json={"text": p, "sampling_params": params}).json(),
-                                prompts))
+            got = list(
+                pool.map(
+                    lambda p: small.post(
+                        "/generate", json={"text": p, "sampling_params": params}
+                    ).json(),
+                    prompts,
+                )
+            )
         assert [g["text"] for g in got] == expected
         state = small.wait_idle()
         assert state["num_retractions"] > 0
@@ -254,26 +384,63 @@ def test_small_cache_retracts_and_keeps_greedy_output(served_checkpoint, spec_se
 
 BAD = [
     ("/generate", "{not json", 400, "not valid JSON"),
-    ("/generate", {"text": PROMPT, "sampling_params": {"temperature": "hot"}}, 400, "temperature must be a number"),
+    (
+        "/generate",
+        {"text": PROMPT, "sampling_params": {"temperature": "hot"}},
+        400,
+        "temperature must be a number",
+    ),
     ("/generate", {"text": PROMPT, "sampling_params": {"top_p": 1.5}}, 400, "top_p must be in"),
-    ("/generate", {"text": PROMPT, "sampling_params": {"max_new_tokens": -3}}, 400, "max_new_tokens must be >= 0"),
+    (
+        "/generate",
+        {"text": PROMPT, "sampling_params": {"max_new_tokens": -3}},
+        400,
+        "max_new_tokens must be >= 0",
+    ),
     ("/generate", {"text": ""}, 400, "empty prompt"),
     ("/generate", {"input_ids": [1] * 1100}, 400, "context length is 1024"),
     ("/generate", {"text": PROMPT, "stream": "yes"}, 400, "'stream' must be bool"),
-    ("/generate", {"text": PROMPT, "sampling_params": {"bogus": 1}}, 400, "unknown sampling parameter"),
+    (
+        "/generate",
+        {"text": PROMPT, "sampling_params": {"bogus": 1}},
+        400,
+        "unknown sampling parameter",
+    ),
     ("/v1/completions", "{oops", 400, "JSON"),
-    ("/v1/completions", {"model": "tiny-v4", "prompt": "x", "max_tokens": "many"}, 400, "max_tokens"),
-    ("/v1/completions", {"model": "tiny-v4", "prompt": "x", "temperature": -1}, 400, "temperature must be >= 0"),
+    (
+        "/v1/completions",
+        {"model": "tiny-v4", "prompt": "x", "max_tokens": "many"},
+        400,
+        "max_tokens",
+    ),
+    (
+        "/v1/completions",
+        {"model": "tiny-v4", "prompt": "x", "temperature": -1},
+        400,
+        "temperature must be >= 0",
+    ),
     ("/v1/completions", {"model": "tiny-v4", "prompt": ""}, 400, "empty prompt"),
-    ("/v1/completions", {"model": "tiny-v4", "prompt": "x", "max_tokens": 5000}, 400, "exceeds the context length"),
+    (
+        "/v1/completions",
+        {"model": "tiny-v4", "prompt": "x", "max_tokens": 5000},
+        400,
+        "exceeds the context length",
+    ),
     ("/v1/completions", {"model": "gpt-9", "prompt": "x"}, 400, "model 'gpt-9' is not served"),
     ("/v1/chat/completions", {"model": "tiny-v4", "messages": []}, 400, "messages"),
-    ("/v1/chat/completions", {"model": "tiny-v4", "messages": [{"content": "no role"}]}, 400, "role"),
+    (
+        "/v1/chat/completions",
+        {"model": "tiny-v4", "messages": [{"content": "no role"}]},
+        400,
+        "role",
+    ),
 ]
 
 
 @pytest.mark.parametrize("path,body,status,message", BAD)
-def test_bad_input_gets_a_clear_400_and_the_server_keeps_serving(spec_server, path, body, status, message):
+def test_bad_input_gets_a_clear_400_and_the_server_keeps_serving(
+    spec_server, path, body, status, message
+):
     kwargs = {"data": body} if isinstance(body, str) else {"json": body}
     response = spec_server.post(path, headers={"content-type": "application/json"}, **kwargs)
     assert response.status_code == status, response.text
@@ -281,14 +448,22 @@ def test_bad_input_gets_a_clear_400_and_the_server_keeps_serving(spec_server, pa
     assert message in error["message"]
     if path.startswith("/v1/"):
         assert error["type"] == "invalid_request_error" and error["code"] == status
-    assert spec_server.post("/generate", json={"text": "ok", "sampling_params": {"max_new_tokens": 2}}).status_code == 200
+    assert (
+        spec_server.post(
+            "/generate", json={"text": "ok", "sampling_params": {"max_new_tokens": 2}}
+        ).status_code
+        == 200
+    )
 
 
 def test_api_key(plain_server):
     url = plain_server.url
     assert requests.get(url + "/v1/models").status_code == 401
-    wrong = requests.post(url + "/v1/completions", headers={"Authorization": "Bearer nope"},
-                          json={"model": "tiny-v4", "prompt": "x"})
+    wrong = requests.post(
+        url + "/v1/completions",
+        headers={"Authorization": "Bearer nope"},
+        json={"model": "tiny-v4", "prompt": "x"},
+    )
     assert wrong.status_code == 401 and wrong.json()["error"]["type"] == "authentication_error"
     assert requests.post(url + "/generate", json={"text": "x"}).status_code == 401
     assert requests.get(url + "/health").status_code == 200

@@ -45,7 +45,7 @@ def test_reserve_failure_takes_nothing_and_trim_frees_tail_pages():
 
 def test_request_slots_run_out_cleanly():
     t = table(max_reqs=2)
-    a, b = t.open_request(), t.open_request()
+    a, _ = t.open_request(), t.open_request()
     assert t.open_request() is None
     t.release(a)
     assert t.open_request() == a
@@ -57,8 +57,14 @@ def test_request_slots_run_out_cleanly():
 def test_compressed_rows_are_unique_per_block_and_fit_the_pool(page_size):
     layout = DeepseekV4CacheLayout((0, 4, 16), head_dim=8, index_head_dim=4, sliding_window=8)
     pages = -(-64 // page_size) * 3
-    pool = DeepseekV4KVPool(layout, max_reqs=3, num_pages=pages, page_size=page_size,
-                            max_tokens_per_pass=4, dtype=torch.float32)
+    pool = DeepseekV4KVPool(
+        layout,
+        max_reqs=3,
+        num_pages=pages,
+        page_size=page_size,
+        max_tokens_per_pass=4,
+        dtype=torch.float32,
+    )
     t = SlotTable(ReqToTokenPool(3, 64), PagedTokenAllocator(pages, page_size))
     reqs = [t.open_request() for _ in range(3)]
     for r in reqs:
@@ -74,8 +80,9 @@ def test_compressed_rows_are_unique_per_block_and_fit_the_pool(page_size):
 
 def test_rings_hold_window_plus_one_pass_without_collisions():
     layout = DeepseekV4CacheLayout((0, 4), head_dim=8, index_head_dim=4, sliding_window=8)
-    pool = DeepseekV4KVPool(layout, max_reqs=2, num_pages=8, page_size=4, max_tokens_per_pass=4,
-                            dtype=torch.float32)
+    pool = DeepseekV4KVPool(
+        layout, max_reqs=2, num_pages=8, page_size=4, max_tokens_per_pass=4, dtype=torch.float32
+    )
     assert pool.swa_ring == 12 and pool.state_ring(4) == 12
     req = torch.tensor([1])
     for last in range(40):
@@ -90,5 +97,7 @@ def test_rings_hold_window_plus_one_pass_without_collisions():
 def test_page_slots_cover_pages_in_order():
     alloc = PagedTokenAllocator(5, 3)
     pages = alloc.alloc_pages(2)
-    assert alloc.page_slots(pages).tolist() == list(itertools.chain(*(range(p * 3, p * 3 + 3) for p in pages)))
+    assert alloc.page_slots(pages).tolist() == list(
+        itertools.chain(*(range(p * 3, p * 3 + 3) for p in pages))
+    )
     assert alloc.alloc_pages(4) is None and alloc.available_pages() == 3

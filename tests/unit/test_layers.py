@@ -16,8 +16,17 @@ from runtime.layers import embedding as embedding_mod
 from runtime.layers import linear as linear_mod
 from runtime.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from runtime.layers.hyper_connection import hc_head, hc_post, hc_pre
-from runtime.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear
-from runtime.layers.moe import ExpertCheckpointSchema, FusedMoEExperts, MoECheckpointLoader, select_experts
+from runtime.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    RowParallelLinear,
+)
+from runtime.layers.moe import (
+    ExpertCheckpointSchema,
+    FusedMoEExperts,
+    MoECheckpointLoader,
+    select_experts,
+)
 from runtime.layers.moe import experts as experts_mod
 from runtime.layers.norm import RMSNorm, WeightlessRMSNorm
 from runtime.layers.rotary import RotaryEmbedding, rope_inv_freq
@@ -25,25 +34,42 @@ from runtime.layers.weight_utils import WeightShapeError
 
 
 def v4_config(**kw):
-    base = dict(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, head_dim=16,
-                qk_rope_head_dim=8, hc_mult=4, rope_scaling={"type": "yarn", "factor": 16,
-                "original_max_position_embeddings": 64, "beta_fast": 32, "beta_slow": 1})
+    base = dict(
+        vocab_size=50,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        head_dim=16,
+        qk_rope_head_dim=8,
+        hc_mult=4,
+        rope_scaling={
+            "type": "yarn",
+            "factor": 16,
+            "original_max_position_embeddings": 64,
+            "beta_fast": 32,
+            "beta_slow": 1,
+        },
+    )
     base.update(kw)
     return DeepseekV4Config(**base)
 
 
 # rotary ------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("kind", ["main", "compress"])
 def test_interleaved_tail_rope_matches_transformers(kind):
     config = v4_config()
     hf_rope = hf_v4.DeepseekV4RotaryEmbedding(config)
-    ours = RotaryEmbedding(config.qk_rope_head_dim, config.rope_parameters[kind], interleaved=True,
-                           rotate_tail=True)
+    ours = RotaryEmbedding(
+        config.qk_rope_head_dim, config.rope_parameters[kind], interleaved=True, rotate_tail=True
+    )
     positions = torch.tensor([0, 1, 5, 63, 64, 1000, 70000])
     x = torch.randn(len(positions), 4, 16)
     cos, sin = hf_rope(x, positions.unsqueeze(0), layer_type=kind)
-    expected = hf_v4.apply_rotary_pos_emb(x.unsqueeze(0).transpose(1, 2), cos, sin).transpose(1, 2)[0]
+    expected = hf_v4.apply_rotary_pos_emb(x.unsqueeze(0).transpose(1, 2), cos, sin).transpose(1, 2)[
+        0
+    ]
     c, s = ours.cos_sin(positions)
     got = ours.apply(x, c, s)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
@@ -58,8 +84,15 @@ def test_yarn_frequencies_match_transformers():
     ours, our_factor = rope_inv_freq(config.rope_parameters["compress"], config.qk_rope_head_dim)
     torch.testing.assert_close(ours, expected)
     assert our_factor == factor == 1.0
-    ramped = rope_inv_freq({"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
-                            "original_max_position_embeddings": 128}, 64)[1]
+    ramped = rope_inv_freq(
+        {
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 128,
+        },
+        64,
+    )[1]
     assert ramped == pytest.approx(0.1 * torch.log(torch.tensor(4.0)).item() + 1.0)
 
 
@@ -71,11 +104,14 @@ def test_neox_partial_rope_rotates_leading_half_pairs():
     inv = 1.0 / (100.0 ** (torch.arange(0, 4, 2).float() / 4))
     angle = positions[:, None, None].float() * inv  # [3, 1, 2]
     x1, x2 = x[..., :2], x[..., 2:4]
-    expected = torch.cat([x1 * angle.cos() - x2 * angle.sin(), x2 * angle.cos() + x1 * angle.sin(), x[..., 4:]], -1)
+    expected = torch.cat(
+        [x1 * angle.cos() - x2 * angle.sin(), x2 * angle.cos() + x1 * angle.sin(), x[..., 4:]], -1
+    )
     torch.testing.assert_close(got, expected)
 
 
 # norms and mHC -----------------------------------------------------------------------------
+
 
 def test_rms_norms_match_transformers():
     x = torch.randn(5, 32)
@@ -84,7 +120,9 @@ def test_rms_norms_match_transformers():
     ours = RMSNorm(32, 1e-6)
     ours.weight.data.copy_(hf.weight.data)
     torch.testing.assert_close(ours(x), hf(x))
-    torch.testing.assert_close(WeightlessRMSNorm(1e-6)(x), hf_v4.DeepseekV4UnweightedRMSNorm(1e-6)(x))
+    torch.testing.assert_close(
+        WeightlessRMSNorm(1e-6)(x), hf_v4.DeepseekV4UnweightedRMSNorm(1e-6)(x)
+    )
 
 
 def test_hyper_connections_match_transformers():
@@ -94,30 +132,42 @@ def test_hyper_connections_match_transformers():
         p.data = torch.randn(p.shape) * 0.3
     x = torch.randn(1, 6, 4, 32)
     post, comb, collapsed = hc(x)
-    y, our_post, our_comb = hc_pre(x[0], hc.fn, hc.scale, hc.base, config.rms_norm_eps, config.hc_eps,
-                                   config.hc_sinkhorn_iters)
+    y, our_post, our_comb = hc_pre(
+        x[0], hc.fn, hc.scale, hc.base, config.rms_norm_eps, config.hc_eps, config.hc_sinkhorn_iters
+    )
     torch.testing.assert_close(y, collapsed[0], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(our_post, post[0], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(our_comb, comb[0], atol=1e-5, rtol=1e-5)
     # columns and rows of comb sum to ~1 (doubly stochastic)
     torch.testing.assert_close(our_comb.sum(-1), torch.ones(6, 4), atol=1e-3, rtol=0)
     block_out = torch.randn(6, 32)
-    expected = post[0].unsqueeze(-1) * block_out.unsqueeze(-2) + torch.matmul(comb[0].transpose(-1, -2), x[0])
-    torch.testing.assert_close(hc_post(block_out, x[0], our_post, our_comb), expected, atol=1e-5, rtol=1e-5)
+    expected = post[0].unsqueeze(-1) * block_out.unsqueeze(-2) + torch.matmul(
+        comb[0].transpose(-1, -2), x[0]
+    )
+    torch.testing.assert_close(
+        hc_post(block_out, x[0], our_post, our_comb), expected, atol=1e-5, rtol=1e-5
+    )
 
     head = hf_v4.DeepseekV4HyperHead(config)
     for p in head.parameters():
         p.data = torch.randn(p.shape) * 0.3
-    torch.testing.assert_close(hc_head(x[0], head.hc_fn, head.hc_scale, head.hc_base, config.rms_norm_eps,
-                                       config.hc_eps), head(x)[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        hc_head(x[0], head.hc_fn, head.hc_scale, head.hc_base, config.rms_norm_eps, config.hc_eps),
+        head(x)[0],
+        atol=1e-5,
+        rtol=1e-5,
+    )
 
 
 # MoE ---------------------------------------------------------------------------------------
 
+
 def test_correction_bias_steers_selection_but_not_weights():
     logits = torch.tensor([[2.0, 1.0, 0.5, -1.0]])
     bias = torch.tensor([0.0, 0.0, 0.0, 10.0])
-    weights, ids = select_experts(logits, 2, "sqrtsoftplus", correction_bias=bias, routed_scaling_factor=1.5)
+    weights, ids = select_experts(
+        logits, 2, "sqrtsoftplus", correction_bias=bias, routed_scaling_factor=1.5
+    )
     assert sorted(ids[0].tolist()) == [0, 3]
     scores = F.softplus(logits).sqrt()[0]
     chosen = scores[ids[0]]
@@ -177,10 +227,16 @@ def test_expert_parallel_ranks_sum_to_the_whole(monkeypatch):
 
 
 def test_moe_checkpoint_loader_maps_per_expert_names():
-    loader = MoECheckpointLoader(ExpertCheckpointSchema("w1", "w2", "w3"), num_experts=8, ep_rank=1, ep_size=2)
+    loader = MoECheckpointLoader(
+        ExpertCheckpointSchema("w1", "w2", "w3"), num_experts=8, ep_rank=1, ep_size=2
+    )
     target = loader.map("model.layers.3.ffn.experts.5.w3.weight")
     assert (target.param, target.shard_id, target.expert_id, target.local) == (
-        "model.layers.3.ffn.experts.w13_weight", "w3", 5, True)
+        "model.layers.3.ffn.experts.w13_weight",
+        "w3",
+        5,
+        True,
+    )
     assert loader.map("model.layers.3.ffn.experts.2.w2.weight").local is False
     assert loader.map("model.layers.3.ffn.shared_experts.w2.weight") is None
     experts = FusedMoEExperts(8, 4, 3, ep=ParallelGroup(1, 2))
@@ -200,6 +256,7 @@ def test_grouped_gemm_matches_reference_with_empty_groups():
 
 # attention kernel --------------------------------------------------------------------------
 
+
 def test_sink_attention_matches_explicit_softmax():
     q, kv = torch.randn(3, 2, 4), torch.randn(3, 5, 4)
     valid = torch.tensor([[1, 1, 0, 1, 0], [1, 1, 1, 1, 1], [0, 0, 0, 0, 1]], dtype=torch.bool)
@@ -214,6 +271,7 @@ def test_sink_attention_matches_explicit_softmax():
 
 
 # tensor-parallel weight loaders ------------------------------------------------------------
+
 
 def test_tensor_parallel_linears_shard_and_recombine(monkeypatch):
     monkeypatch.setattr(linear_mod, "all_reduce", lambda x, group: x)
@@ -232,7 +290,7 @@ def test_tensor_parallel_linears_shard_and_recombine(monkeypatch):
         merged.append(m(x).split(2, dim=-1))
         row = RowParallelLinear(8, 3, tp=tp)
         row.weight_loader(row.weight, row_w)
-        rows += row(x[:, rank * 4:(rank + 1) * 4])
+        rows += row(x[:, rank * 4 : (rank + 1) * 4])
     torch.testing.assert_close(torch.cat(cols, -1), x @ w.T)
     torch.testing.assert_close(torch.cat([merged[0][0], merged[1][0]], -1), x @ gate.T)
     torch.testing.assert_close(torch.cat([merged[0][1], merged[1][1]], -1), x @ up.T)

@@ -41,8 +41,9 @@ def make_fp8(out: int, inp: int, block=(128, 128), e8m0: bool = True, seed: int 
     if e8m0:
         scale_bytes = torch.randint(117, 138, (nb0, nb1), generator=g, dtype=torch.uint8)
         scale = scale_bytes.view(torch.float8_e8m0fnu)
-        scale_values = [[2.0 ** (int(scale_bytes[a, b]) - 127) for b in range(nb1)]
-                        for a in range(nb0)]
+        scale_values = [
+            [2.0 ** (int(scale_bytes[a, b]) - 127) for b in range(nb1)] for a in range(nb0)
+        ]
     else:
         scale = torch.rand(nb0, nb1, generator=g) * 0.01 + 1e-4
         scale_values = [[scale[a, b] for b in range(nb1)] for a in range(nb0)]
@@ -150,8 +151,10 @@ def test_dequantize_tensor_dispatch_and_errors():
 
 def test_block_size_from_config():
     assert block_size_from_config({}) == (128, 128)
-    assert block_size_from_config({"quantization_config": {"weight_block_size": [64, 32]}}) \
-        == (64, 32)
+    assert block_size_from_config({"quantization_config": {"weight_block_size": [64, 32]}}) == (
+        64,
+        32,
+    )
     with pytest.raises(CheckpointError, match="weight_block_size"):
         block_size_from_config({"quantization_config": {"weight_block_size": [0]}})
 
@@ -208,8 +211,9 @@ def test_directory_without_safetensors(tmp_path):
 
 
 def test_index_references_missing_file(tmp_path):
-    save_sharded(tmp_path, {"a.safetensors": {"a": torch.ones(1)},
-                            "b.safetensors": {"b": torch.ones(1)}})
+    save_sharded(
+        tmp_path, {"a.safetensors": {"a": torch.ones(1)}, "b.safetensors": {"b": torch.ones(1)}}
+    )
     (tmp_path / "b.safetensors").unlink()
     with pytest.raises(CheckpointError, match="'b.safetensors'.*missing"):
         find_checkpoint_files(tmp_path)
@@ -223,11 +227,14 @@ def test_index_lists_tensor_absent_from_shard(tmp_path):
         CheckpointIndex(tmp_path)
 
 
-@pytest.mark.parametrize("content", [
-    bytes(range(7, 200)),  # garbage: absurd header length
-    (20).to_bytes(8, "little") + b"{not json at all....",  # fits, but is not JSON
-    b"\x01\x02",  # shorter than the length prefix
-])
+@pytest.mark.parametrize(
+    "content",
+    [
+        bytes(range(7, 200)),  # garbage: absurd header length
+        (20).to_bytes(8, "little") + b"{not json at all....",  # fits, but is not JSON
+        b"\x01\x02",  # shorter than the length prefix
+    ],
+)
 def test_corrupt_header(tmp_path, content):
     save_file({"ok": torch.ones(1)}, str(tmp_path / "a.safetensors"))
     (tmp_path / "b.safetensors").write_bytes(content)
@@ -263,48 +270,67 @@ def test_checkpoint_weights_mixed_sharded(tmp_path):
     embed = torch.randn(10, 8).to(torch.bfloat16)
     hc_scale = torch.tensor([0.5, 1.0, 2.0])
     plain_w, plain_s = torch.randn(4, 4).to(torch.bfloat16), torch.ones(1)
-    save_sharded(tmp_path, {
-        "model-00001-of-00003.safetensors": {
-            "embed.weight": embed,
-            "layers.0.attn.wq.weight": fp8_w,  # its scale lives in shard 3
-            "layers.0.ffn.experts.0.w1.weight": moe_w,
-            "layers.0.ffn.experts.0.w1.scale": moe_s,
+    save_sharded(
+        tmp_path,
+        {
+            "model-00001-of-00003.safetensors": {
+                "embed.weight": embed,
+                "layers.0.attn.wq.weight": fp8_w,  # its scale lives in shard 3
+                "layers.0.ffn.experts.0.w1.weight": moe_w,
+                "layers.0.ffn.experts.0.w1.scale": moe_s,
+            },
+            "model-00002-of-00003.safetensors": {
+                "layers.1.q_proj.weight": inv_w,
+                "layers.1.q_proj.weight_scale_inv": inv_s,
+                "layers.1.o_proj.weight": hf_w,
+                "layers.1.o_proj.weight_scale": hf_s,
+                "layers.0.attn_hc.scale": hc_scale,  # a parameter, not a weight's scale
+                "plain.weight": plain_w,  # not quantized: its `.scale` is passed through
+                "plain.scale": plain_s,
+            },
+            "model-00003-of-00003.safetensors": {
+                "layers.0.attn.wq.scale": fp8_s,
+                "mtp.0.proj.weight": torch.ones(2),
+            },
         },
-        "model-00002-of-00003.safetensors": {
-            "layers.1.q_proj.weight": inv_w,
-            "layers.1.q_proj.weight_scale_inv": inv_s,
-            "layers.1.o_proj.weight": hf_w,
-            "layers.1.o_proj.weight_scale": hf_s,
-            "layers.0.attn_hc.scale": hc_scale,  # a parameter, not a weight's scale
-            "plain.weight": plain_w,  # not quantized: its `.scale` is passed through
-            "plain.scale": plain_s,
-        },
-        "model-00003-of-00003.safetensors": {
-            "layers.0.attn.wq.scale": fp8_s,
-            "mtp.0.proj.weight": torch.ones(2),
-        },
-    })
-    got = dict(checkpoint_weights(tmp_path, torch.bfloat16, progress=False,
-                                  skip=lambda n: n.startswith("mtp.")))
-    assert sorted(got) == sorted([
-        "embed.weight", "layers.0.attn.wq.weight", "layers.0.ffn.experts.0.w1.weight",
-        "layers.1.q_proj.weight", "layers.1.o_proj.weight", "layers.0.attn_hc.scale",
-        "plain.weight", "plain.scale",
-    ])
+    )
+    got = dict(
+        checkpoint_weights(
+            tmp_path, torch.bfloat16, progress=False, skip=lambda n: n.startswith("mtp.")
+        )
+    )
+    assert sorted(got) == sorted(
+        [
+            "embed.weight",
+            "layers.0.attn.wq.weight",
+            "layers.0.ffn.experts.0.w1.weight",
+            "layers.1.q_proj.weight",
+            "layers.1.o_proj.weight",
+            "layers.0.attn_hc.scale",
+            "plain.weight",
+            "plain.scale",
+        ]
+    )
     bf16 = torch.bfloat16
     assert torch.equal(got["layers.0.attn.wq.weight"], fp8_expected.to(bf16))
     assert torch.equal(got["layers.1.q_proj.weight"], inv_expected.to(bf16))
     assert torch.equal(got["layers.1.o_proj.weight"], hf_expected.to(bf16))
     assert torch.equal(got["layers.0.ffn.experts.0.w1.weight"], moe_expected.to(bf16))
-    for name, stored in [("embed.weight", embed), ("layers.0.attn_hc.scale", hc_scale),
-                         ("plain.weight", plain_w), ("plain.scale", plain_s)]:
+    for name, stored in [
+        ("embed.weight", embed),
+        ("layers.0.attn_hc.scale", hc_scale),
+        ("plain.weight", plain_w),
+        ("plain.scale", plain_s),
+    ]:
         assert got[name].dtype == stored.dtype and torch.equal(got[name], stored)
 
 
 def test_checkpoint_weights_single_file_fp32_and_config_block(tmp_path):
     weight, scale, expected = make_fp8(100, 70, block=(64, 32), seed=5)
-    save_file({"l.weight": weight, "l.scale": scale, "orphan.weight_scale_inv": torch.ones(1)},
-              str(tmp_path / "model.safetensors"))
+    save_file(
+        {"l.weight": weight, "l.scale": scale, "orphan.weight_scale_inv": torch.ones(1)},
+        str(tmp_path / "model.safetensors"),
+    )
     config = {"quantization_config": {"weight_block_size": [64, 32]}}
     (tmp_path / "config.json").write_text(json.dumps(config))
     got = dict(checkpoint_weights(tmp_path, torch.float32, block_size=None, progress=False))

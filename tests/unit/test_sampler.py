@@ -25,7 +25,9 @@ def test_greedy_is_argmax():
 def test_filters_match_direct_computation():
     logits = torch.log(torch.tensor([[0.4, 0.25, 0.15, 0.1, 0.06, 0.04]] * 3))
     probs = target_probs(logits, batch_of({"top_k": 2}, {"top_p": 0.75}, {"min_p": 0.3}))
-    expected = torch.tensor([[0.4, 0.25, 0, 0, 0, 0], [0.4, 0.25, 0.15, 0, 0, 0], [0.4, 0.25, 0.15, 0, 0, 0]])
+    expected = torch.tensor(
+        [[0.4, 0.25, 0, 0, 0, 0], [0.4, 0.25, 0.15, 0, 0, 0], [0.4, 0.25, 0.15, 0, 0, 0]]
+    )
     torch.testing.assert_close(probs, expected / expected.sum(-1, keepdim=True))
     hot = target_probs(logits[:1], batch_of({"temperature": 0.5}))
     torch.testing.assert_close(hot, torch.softmax(logits[:1] / 0.5, -1))
@@ -34,15 +36,24 @@ def test_filters_match_direct_computation():
 def test_seeded_sampling_is_reproducible_and_independent_of_the_batch():
     logits = torch.randn(1, 50)
     seeded = {"temperature": 1.0, "sampling_seed": 1234}
-    alone = [sample(logits, batch_of(seeded, vocab=50), torch.tensor([p])).item() for p in range(20)]
+    alone = [
+        sample(logits, batch_of(seeded, vocab=50), torch.tensor([p])).item() for p in range(20)
+    ]
     mixed = []
     for p in range(20):
-        two = sample(torch.cat([torch.randn(1, 50), logits]), batch_of({"temperature": 1.0}, seeded, vocab=50),
-                     torch.tensor([p, p]))
+        two = sample(
+            torch.cat([torch.randn(1, 50), logits]),
+            batch_of({"temperature": 1.0}, seeded, vocab=50),
+            torch.tensor([p, p]),
+        )
         mixed.append(two[1].item())
     assert alone == mixed
-    other = [sample(logits, batch_of({"temperature": 1.0, "sampling_seed": 99}, vocab=50),
-                    torch.tensor([p])).item() for p in range(20)]
+    other = [
+        sample(
+            logits, batch_of({"temperature": 1.0, "sampling_seed": 99}, vocab=50), torch.tensor([p])
+        ).item()
+        for p in range(20)
+    ]
     assert other != alone
 
 
@@ -53,8 +64,10 @@ def test_hashed_uniforms_look_uniform():
     assert chisquare(counts.numpy()).pvalue > 1e-3
 
 
-@pytest.mark.parametrize("params", [{"temperature": 1.0}, {"temperature": 0.7, "top_p": 0.8},
-                                    {"temperature": 1.3, "top_k": 3}])
+@pytest.mark.parametrize(
+    "params",
+    [{"temperature": 1.0}, {"temperature": 0.7, "top_p": 0.8}, {"temperature": 1.3, "top_k": 3}],
+)
 def test_samples_follow_the_target_distribution(params):
     torch.manual_seed(0)
     logits = torch.tensor([[1.0, 0.5, 0.2, -0.3, -1.0, 0.0]]).repeat(20000, 1)
@@ -68,9 +81,16 @@ def test_samples_follow_the_target_distribution(params):
     assert chisquare(observed[support].numpy(), expected.numpy()).pvalue > 1e-3
 
 
-@pytest.mark.parametrize("bad,message", [({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"),
-                                         ({"top_k": 0}, "top_k"), ({"max_new_tokens": "x"}, "max_new_tokens"),
-                                         ({"bogus": 1}, "unknown sampling parameter")])
+@pytest.mark.parametrize(
+    "bad,message",
+    [
+        ({"temperature": -1}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"top_k": 0}, "top_k"),
+        ({"max_new_tokens": "x"}, "max_new_tokens"),
+        ({"bogus": 1}, "unknown sampling parameter"),
+    ],
+)
 def test_bad_sampling_params_are_rejected(bad, message):
     with pytest.raises(InvalidRequestError, match=message):
         SamplingParams.from_dict(bad)

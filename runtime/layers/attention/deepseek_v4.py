@@ -41,6 +41,7 @@ class RopeInputs:
 # Per-forward metadata
 # ---------------------------------------------------------------------------------------
 
+
 def window_access(ctx: ForwardContext, pool: DeepseekV4KVPool, window: int) -> RingAccess:
     """Sliding-window keys of every row: positions `p - window + 1 .. p`."""
 
@@ -82,10 +83,14 @@ def compress_access(ctx: ForwardContext, pool: DeepseekV4KVPool, ratio: int) -> 
 
         num_entries = max(ctx.seq_lens_cpu) // ratio if ctx.batch_size else 0
         block_starts = torch.arange(num_entries, device=device) * ratio
-        loc_per_req = pool.compressed_loc(ratio, ctx.req_to_token[req_slots.unsqueeze(1), block_starts])
+        loc_per_req = pool.compressed_loc(
+            ratio, ctx.req_to_token[req_slots.unsqueeze(1), block_starts]
+        )
         read_loc = loc_per_req[ctx.token_to_req]
         read_valid = torch.arange(num_entries, device=device) < ((pos + 1) // ratio).unsqueeze(1)
-        return CompressAccess(ratio, state, boundary_rows, entry_pos, entry_loc, read_loc, read_valid)
+        return CompressAccess(
+            ratio, state, boundary_rows, entry_pos, entry_loc, read_loc, read_valid
+        )
 
     return ctx.memo(f"v4.compress.{ratio}", build)
 
@@ -93,6 +98,7 @@ def compress_access(ctx: ForwardContext, pool: DeepseekV4KVPool, ratio: int) -> 
 # ---------------------------------------------------------------------------------------
 # Modules
 # ---------------------------------------------------------------------------------------
+
 
 class DeepseekV4Compressor(nn.Module):
     """Gated pooling of each block of `ratio` tokens into one `dim`-wide entry (section 2.6).
@@ -111,13 +117,21 @@ class DeepseekV4Compressor(nn.Module):
         self.ape = make_param((ratio, width), torch.float32)
         self.norm = RMSNorm(dim, eps)
 
-    def forward(self, x: torch.Tensor, ctx: ForwardContext, access: CompressAccess,
-                state_buf: torch.Tensor, entry_buf: torch.Tensor, rope: RotaryEmbedding) -> None:
+    def forward(
+        self,
+        x: torch.Tensor,
+        ctx: ForwardContext,
+        access: CompressAccess,
+        state_buf: torch.Tensor,
+        entry_buf: torch.Tensor,
+        rope: RotaryEmbedding,
+    ) -> None:
         kv, gate = self.fused_wkv_wgate(x).float().chunk(2, dim=-1)
         state_rows = torch.cat([kv, gate + self.ape[ctx.positions % self.ratio]], dim=-1)
         if access.boundary_rows.numel():
-            entries = self._pool(gather_ring(state_buf, state_rows, access.state.read_idx),
-                                 access.state.read_valid).to(x.dtype)
+            entries = self._pool(
+                gather_ring(state_buf, state_rows, access.state.read_idx), access.state.read_valid
+            ).to(x.dtype)
             entries = self.norm(entries)
             cos, sin = rope.cos_sin(access.entry_pos)
             entry_buf[access.entry_loc] = rope.apply(entries, cos, sin).to(entry_buf.dtype)
@@ -149,12 +163,20 @@ class DeepseekV4Indexer(nn.Module):
         self.topk = config.index_topk
         self.wq_b = ReplicatedLinear(config.q_lora_rank, self.num_heads * self.head_dim, bias=False)
         self.weights_proj = ReplicatedLinear(config.hidden_size, self.num_heads, bias=False)
-        self.compressor = DeepseekV4Compressor(config.hidden_size, self.head_dim, ratio,
-                                               config.rms_norm_eps)
+        self.compressor = DeepseekV4Compressor(
+            config.hidden_size, self.head_dim, ratio, config.rms_norm_eps
+        )
 
-    def forward(self, x: torch.Tensor, qr: torch.Tensor, ctx: ForwardContext, access: CompressAccess,
-                state_buf: torch.Tensor, key_buf: torch.Tensor, rope: RopeInputs
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self,
+        x: torch.Tensor,
+        qr: torch.Tensor,
+        ctx: ForwardContext,
+        access: CompressAccess,
+        state_buf: torch.Tensor,
+        key_buf: torch.Tensor,
+        rope: RopeInputs,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns `(selected [T, k], valid [T, k])`: positions in each row's entry list."""
         self.compressor(x, ctx, access, state_buf, key_buf, rope.rope)
         num_entries = access.read_loc.shape[1]
@@ -163,12 +185,18 @@ class DeepseekV4Indexer(nn.Module):
             return empty, empty.bool()
         q = rope.apply(self.wq_b(qr).view(-1, self.num_heads, self.head_dim))
         keys = key_buf[access.read_loc]  # [T, C, d]
-        scores = torch.relu(torch.einsum("thd,tcd->thc", q.float(), keys.float())) * self.head_dim**-0.5
+        scores = (
+            torch.relu(torch.einsum("thd,tcd->thc", q.float(), keys.float())) * self.head_dim**-0.5
+        )
         weights = self.weights_proj(x).float() * self.num_heads**-0.5
-        total = torch.einsum("thc,th->tc", scores, weights).masked_fill(~access.read_valid, float("-inf"))
+        total = torch.einsum("thc,th->tc", scores, weights).masked_fill(
+            ~access.read_valid, float("-inf")
+        )
         # Ties are common (relu zeroes whole scores); a stable sort breaks them toward the
         # older entry, the same way whatever the batch looks like (topk's order is unspecified).
-        selected = total.sort(dim=-1, descending=True, stable=True).indices[:, :min(self.topk, num_entries)]
+        selected = total.sort(dim=-1, descending=True, stable=True).indices[
+            :, : min(self.topk, num_entries)
+        ]
         return selected, access.read_valid.gather(1, selected)
 
 
@@ -183,8 +211,9 @@ class DeepseekV4Attention(nn.Module):
         self.compress_ratio, self.cache_layer = compress_ratio, cache_layer
         self.o_groups, self.o_lora_rank = config.o_groups, config.o_lora_rank
         self.scale = self.head_dim**-0.5
-        self.fused_wqa_wkv = MergedColumnParallelLinear(config.hidden_size,
-                                                        [config.q_lora_rank, self.head_dim])
+        self.fused_wqa_wkv = MergedColumnParallelLinear(
+            config.hidden_size, [config.q_lora_rank, self.head_dim]
+        )
         self.q_norm = RMSNorm(config.q_lora_rank, self.eps)
         self.wq_b = ReplicatedLinear(config.q_lora_rank, self.num_heads * self.head_dim)
         self.q_head_norm = WeightlessRMSNorm(self.eps)
@@ -193,8 +222,11 @@ class DeepseekV4Attention(nn.Module):
         self.wo_a = ReplicatedLinear(group_in, self.o_groups * self.o_lora_rank)
         self.wo_b = ReplicatedLinear(self.o_groups * self.o_lora_rank, config.hidden_size)
         self.attn_sink = make_param((self.num_heads,), torch.float32)
-        self.compressor = (DeepseekV4Compressor(config.hidden_size, self.head_dim, compress_ratio, self.eps)
-                           if compress_ratio > 1 else None)
+        self.compressor = (
+            DeepseekV4Compressor(config.hidden_size, self.head_dim, compress_ratio, self.eps)
+            if compress_ratio > 1
+            else None
+        )
         self.indexer = DeepseekV4Indexer(config, compress_ratio) if compress_ratio == 4 else None
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext, rope: RopeInputs) -> torch.Tensor:
@@ -221,11 +253,14 @@ class DeepseekV4Attention(nn.Module):
     def _compressed_keys(self, x, qr, ctx, pool, rope) -> tuple[torch.Tensor, torch.Tensor]:
         layer, ratio = self.cache_layer, self.compress_ratio
         access = compress_access(ctx, pool, ratio)
-        self.compressor(x, ctx, access, pool.compressor_state[layer], pool.compressed_kv[layer], rope.rope)
+        self.compressor(
+            x, ctx, access, pool.compressor_state[layer], pool.compressed_kv[layer], rope.rope
+        )
         if self.indexer is None:  # HCA: every visible entry
             return pool.compressed_kv[layer][access.read_loc], access.read_valid
-        selected, valid = self.indexer(x, qr, ctx, access, pool.indexer_state[layer],
-                                       pool.indexer_k[layer], rope)
+        selected, valid = self.indexer(
+            x, qr, ctx, access, pool.indexer_state[layer], pool.indexer_k[layer], rope
+        )
         return pool.compressed_kv[layer][access.read_loc.gather(1, selected)], valid
 
     def _grouped_wo_a(self, out: torch.Tensor) -> torch.Tensor:

@@ -1,8 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """Qwen4Exp gated attention with the QSA (Qwen Sparse Attention) token indexer.
 
-    [q | gate] per head = q_proj(x);  q = rope(q_norm(q));  k = rope(k_norm(k_proj x));  v = v_proj x
-    o = o_proj( attention(q, k, v) * sigmoid(gate) )        GQA, causal, restricted by QSA
+    [q | gate] per head = q_proj(x);  v = v_proj(x)
+    q = rope(q_norm(q));  k = rope(k_norm(k_proj(x)))
+    o = o_proj(attention(q, k, v) * sigmoid(gate))       GQA, causal, restricted by QSA
 
 QSA (research/qwen4exp.md section 2.7): the visible keys of a query at p are grouped into
 complete blocks of `ratio` positions; a block's key is `rope(k_layernorm(mean of its raw
@@ -52,18 +53,34 @@ def visible_keys(ctx: ForwardContext, ratio: int) -> VisibleKeys:
         positions = torch.arange(int(lens.sum()), device=device) - key_start[key_req]
         slots = ctx.req_to_token[ctx.req_pool_indices[key_req], positions]
         row_req, row_pos = ctx.token_to_req, ctx.positions
-        allowed = (key_req.unsqueeze(0) == row_req.unsqueeze(1)) & (positions.unsqueeze(0) <= row_pos.unsqueeze(1))
+        allowed = (key_req.unsqueeze(0) == row_req.unsqueeze(1)) & (
+            positions.unsqueeze(0) <= row_pos.unsqueeze(1)
+        )
         blocks = lens // ratio
         block_req = torch.repeat_interleave(torch.arange(ctx.batch_size, device=device), blocks)
         block_first = torch.cumsum(blocks, 0) - blocks
-        block_start = (torch.arange(int(blocks.sum()), device=device) - block_first[block_req]) * ratio
+        block_start = (
+            torch.arange(int(blocks.sum()), device=device) - block_first[block_req]
+        ) * ratio
         in_complete = positions < (blocks * ratio)[key_req]
-        block_of_key = torch.where(in_complete, block_first[key_req] + positions // ratio, int(blocks.sum()))
+        block_of_key = torch.where(
+            in_complete, block_first[key_req] + positions // ratio, int(blocks.sum())
+        )
         num_blocks = (row_pos + 1) // ratio
-        block_visible = ((block_req.unsqueeze(0) == row_req.unsqueeze(1))
-                         & (block_start.unsqueeze(0) + ratio - 1 <= row_pos.unsqueeze(1)))
-        return VisibleKeys(slots, positions, key_req, allowed, block_of_key, block_start, block_visible,
-                           num_blocks * ratio, num_blocks)
+        block_visible = (block_req.unsqueeze(0) == row_req.unsqueeze(1)) & (
+            block_start.unsqueeze(0) + ratio - 1 <= row_pos.unsqueeze(1)
+        )
+        return VisibleKeys(
+            slots,
+            positions,
+            key_req,
+            allowed,
+            block_of_key,
+            block_start,
+            block_visible,
+            num_blocks * ratio,
+            num_blocks,
+        )
 
     return ctx.memo(f"qsa.keys.{ratio}", build)
 
@@ -84,15 +101,26 @@ class QSAIndexer(nn.Module):
         self.ratio = config.indexer_compress_ratio
         self.block_topk = config.indexer_budget // self.ratio
         self.rope = rope
-        self.index_qk_proj = ReplicatedLinear(config.hidden_size, (self.num_heads + 1) * self.head_dim)
+        self.index_qk_proj = ReplicatedLinear(
+            config.hidden_size, (self.num_heads + 1) * self.head_dim
+        )
         self.q_layernorm = OffsetRMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_layernorm = OffsetRMSNorm(self.head_dim, config.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, ctx: ForwardContext, cos: torch.Tensor, sin: torch.Tensor,
-                index_cache: torch.Tensor, keys: VisibleKeys) -> torch.Tensor | None:
+    def forward(
+        self,
+        x: torch.Tensor,
+        ctx: ForwardContext,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        index_cache: torch.Tensor,
+        keys: VisibleKeys,
+    ) -> torch.Tensor | None:
         """Writes this forward's raw index keys; returns the selected-block mask `[T, B]`, or
         None when every row still keeps all of its blocks."""
-        q, raw_k = self.index_qk_proj(x).split([self.num_heads * self.head_dim, self.head_dim], dim=-1)
+        q, raw_k = self.index_qk_proj(x).split(
+            [self.num_heads * self.head_dim, self.head_dim], dim=-1
+        )
         index_cache[ctx.out_cache_loc] = raw_k.to(index_cache.dtype)
         if int(keys.num_blocks.max()) <= self.block_topk:
             return None
@@ -101,14 +129,15 @@ class QSAIndexer(nn.Module):
         num_blocks = keys.block_start.shape[0]
         complete = keys.block_of_key < num_blocks
         sums = torch.zeros(num_blocks, self.head_dim, device=x.device).index_add_(
-            0, keys.block_of_key[complete], raw[complete])
+            0, keys.block_of_key[complete], raw[complete]
+        )
         pooled = self.k_layernorm((sums / self.ratio).to(raw_k.dtype))
         block_cos, block_sin = self.rope.cos_sin(keys.block_start)
         block_keys = self.rope.apply(pooled, block_cos, block_sin)
         scores = torch.relu(torch.einsum("thd,bd->thb", q.float(), block_keys.float())).sum(1)
         scores = (scores / self.head_dim**0.5).masked_fill(~keys.block_visible, float("-inf"))
         # stable: ties go to the older block, whatever else shares the batch
-        order = scores.sort(dim=-1, descending=True, stable=True).indices[:, :self.block_topk]
+        order = scores.sort(dim=-1, descending=True, stable=True).indices[:, : self.block_topk]
         selected = torch.zeros_like(keys.block_visible).scatter_(1, order, True)
         return selected & keys.block_visible
 
@@ -120,23 +149,38 @@ class QSAAttention(nn.Module):
         self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = config.head_dim
         self.qkv_proj = MergedColumnParallelLinear(
-            config.hidden_size, [2 * self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
-                                 self.num_kv_heads * self.head_dim])
+            config.hidden_size,
+            [
+                2 * self.num_heads * self.head_dim,
+                self.num_kv_heads * self.head_dim,
+                self.num_kv_heads * self.head_dim,
+            ],
+        )
         self.o_proj = ReplicatedLinear(self.num_heads * self.head_dim, config.hidden_size)
         self.q_norm = OffsetRMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = OffsetRMSNorm(self.head_dim, config.rms_norm_eps)
-        self.indexer = QSAIndexer(config, rope) if getattr(config, "indexer_n_heads", None) else None
+        self.indexer = (
+            QSAIndexer(config, rope) if getattr(config, "indexer_n_heads", None) else None
+        )
         self.ratio = self.indexer.ratio if self.indexer is not None else 1
 
-    def forward(self, x: torch.Tensor, ctx: ForwardContext, cos: torch.Tensor, sin: torch.Tensor,
-                spec_step_idx: int = 0) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        ctx: ForwardContext,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        spec_step_idx: int = 0,
+    ) -> torch.Tensor:
         pool, layer = ctx.kv_pool, self.cache_layer
         q, k, v = self.qkv_proj(x).split(self.qkv_proj.output_sizes, dim=-1)
         q, gate = q.view(-1, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)  # split per head
         q = self.rope.apply(self.q_norm(q), cos, sin)
         k = self.rope.apply(self.k_norm(k.view(-1, self.num_kv_heads, self.head_dim)), cos, sin)
         pool.k_cache[layer][ctx.out_cache_loc] = k.to(pool.dtype)
-        pool.v_cache[layer][ctx.out_cache_loc] = v.view(-1, self.num_kv_heads, self.head_dim).to(pool.dtype)
+        pool.v_cache[layer][ctx.out_cache_loc] = v.view(-1, self.num_kv_heads, self.head_dim).to(
+            pool.dtype
+        )
 
         keys = visible_keys(ctx, self.ratio)
         allowed = keys.allowed
@@ -144,15 +188,21 @@ class QSAAttention(nn.Module):
             kept = self._selection(x, ctx, cos, sin, keys, spec_step_idx)
             if kept is not None:
                 allowed = allowed & kept
-        out = self._attend(q, pool.k_cache[layer][keys.slots], pool.v_cache[layer][keys.slots], allowed)
+        out = self._attend(
+            q, pool.k_cache[layer][keys.slots], pool.v_cache[layer][keys.slots], allowed
+        )
         return self.o_proj((out * torch.sigmoid(gate.float()).to(out.dtype)).flatten(1))
 
-    def _selection(self, x, ctx, cos, sin, keys: VisibleKeys, spec_step_idx: int) -> torch.Tensor | None:
+    def _selection(
+        self, x, ctx, cos, sin, keys: VisibleKeys, spec_step_idx: int
+    ) -> torch.Tensor | None:
         """Token-level QSA mask `[T, L]` (None: keep everything)."""
         pool, layer = ctx.kv_pool, self.cache_layer
         if spec_step_idx > 0 and pool.reuses_qsa_selection:
             # later chained draft steps keep the selection the first step made
-            raw_k = self.indexer.index_qk_proj(x)[:, self.indexer.num_heads * self.indexer.head_dim:]
+            raw_k = self.indexer.index_qk_proj(x)[
+                :, self.indexer.num_heads * self.indexer.head_dim :
+            ]
             pool.index_cache[layer][ctx.out_cache_loc] = raw_k.to(pool.index_cache[layer].dtype)
             return pool.recall_selection(layer, ctx, keys)
         selected = self.indexer(x, ctx, cos, sin, pool.index_cache[layer], keys)
@@ -161,7 +211,9 @@ class QSAAttention(nn.Module):
             pool.remember_selection(layer, ctx, keys, selected)
         return kept
 
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    def _attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor
+    ) -> torch.Tensor:
         """`q [T, H, d]`, `k/v [L, KV, d]`, `allowed [T, L]` -> `[T, H, d]` (softmax in fp32)."""
         groups = self.num_heads // self.num_kv_heads
         qg = q.view(q.shape[0], self.num_kv_heads, groups, self.head_dim)

@@ -48,14 +48,18 @@ class GatedDeltaNet(nn.Module):
     def __init__(self, config, cache_layer: int):
         super().__init__()
         self.cache_layer = cache_layer
-        self.num_k_heads, self.num_v_heads = config.linear_num_key_heads, config.linear_num_value_heads
+        self.num_k_heads, self.num_v_heads = (
+            config.linear_num_key_heads,
+            config.linear_num_value_heads,
+        )
         self.head_k_dim, self.head_v_dim = config.linear_key_head_dim, config.linear_value_head_dim
         self.key_dim = self.num_k_heads * self.head_k_dim
         self.value_dim = self.num_v_heads * self.head_v_dim
         self.conv_dim = 2 * self.key_dim + self.value_dim
         self.kernel = config.linear_conv_kernel_dim
         self.in_proj = MergedColumnParallelLinear(
-            config.hidden_size, [self.conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads])
+            config.hidden_size, [self.conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads]
+        )
         self.conv1d = nn.Module()
         self.conv1d.weight = make_param((self.conv_dim, 1, self.kernel), loader=self._conv_loader)
         self.A_log = make_param((self.num_v_heads,), torch.float32)
@@ -65,19 +69,28 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = ReplicatedLinear(self.value_dim, config.hidden_size)
 
     def _conv_loader(self, param, loaded, shard_id=None):
-        copy_checked(param.data, loaded.view(param.shape) if loaded.numel() == param.numel() else loaded)
+        copy_checked(
+            param.data, loaded.view(param.shape) if loaded.numel() == param.numel() else loaded
+        )
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         pool = ctx.kv_pool
         layer = self.cache_layer
         qkv, z, b, a = self.in_proj(x).split(self.in_proj.output_sizes, dim=-1)
-        access = conv_window_access(ctx, self.kernel, 1, pool.conv_ring, pool.conv_state[layer].shape[0],
-                                    "gdn.conv")
-        qkv = F.silu(causal_conv(qkv, self.conv1d.weight.squeeze(1), pool.conv_state[layer], access))
+        access = conv_window_access(
+            ctx, self.kernel, 1, pool.conv_ring, pool.conv_state[layer].shape[0], "gdn.conv"
+        )
+        qkv = F.silu(
+            causal_conv(qkv, self.conv1d.weight.squeeze(1), pool.conv_state[layer], access)
+        )
         q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         repeat = self.num_v_heads // self.num_k_heads
-        q = l2_normalize(q.view(-1, self.num_k_heads, self.head_k_dim).float()).repeat_interleave(repeat, 1)
-        k = l2_normalize(k.view(-1, self.num_k_heads, self.head_k_dim).float()).repeat_interleave(repeat, 1)
+        q = l2_normalize(q.view(-1, self.num_k_heads, self.head_k_dim).float()).repeat_interleave(
+            repeat, 1
+        )
+        k = l2_normalize(k.view(-1, self.num_k_heads, self.head_k_dim).float()).repeat_interleave(
+            repeat, 1
+        )
         q = q * self.head_k_dim**-0.5
         v = v.view(-1, self.num_v_heads, self.head_v_dim).float()
         beta = torch.sigmoid(b.float())
@@ -90,14 +103,16 @@ class GatedDeltaNet(nn.Module):
         pool, layer = ctx.kv_pool, self.cache_layer
         index, valid = pad_by_request(ctx)
         mask = valid.unsqueeze(-1)
-        padded = [t[index] * (mask.unsqueeze(-1) if t.dim() == 3 else mask) for t in (q, k, v, g, beta)]
+        padded = [
+            t[index] * (mask.unsqueeze(-1) if t.dim() == 3 else mask) for t in (q, k, v, g, beta)
+        ]
         slots = ctx.req_pool_indices
         start = pool.ssm_state[layer][slots]
         start = start * (ctx.prefix_lens > 0).view(-1, 1, 1, 1)  # a new request starts from zero
         verify = ctx.forward_mode.is_target_verify()
         out, final, states = chunked_gated_delta_rule(*padded, start, return_states=verify)
         if verify:
-            pool.ssm_snapshots[layer][slots, :states.shape[1]] = states
+            pool.ssm_snapshots[layer][slots, : states.shape[1]] = states
         else:
             pool.ssm_state[layer][slots] = final
         return out[valid]

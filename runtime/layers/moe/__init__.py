@@ -9,4 +9,10 @@ from runtime.layers.moe.checkpoint_loader import (
 from runtime.layers.moe.experts import FusedMoEExperts
 from runtime.layers.moe.router import select_experts
 
-__all__ = ["ExpertCheckpointSchema", "ExpertTarget", "FusedMoEExperts", "MoECheckpointLoader", "select_experts"]
+__all__ = [
+    "ExpertCheckpointSchema",
+    "ExpertTarget",
+    "FusedMoEExperts",
+    "MoECheckpointLoader",
+    "select_experts",
+]

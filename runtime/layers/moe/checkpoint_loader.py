@@ -39,15 +39,19 @@ class ExpertTarget:
 
 
 class MoECheckpointLoader:
-    def __init__(self, schema: ExpertCheckpointSchema, num_experts: int, ep_rank: int = 0,
-                 ep_size: int = 1):
+    def __init__(
+        self, schema: ExpertCheckpointSchema, num_experts: int, ep_rank: int = 0, ep_size: int = 1
+    ):
         self.schema = schema
         self.per_rank = num_experts // ep_size
         self.first_local = ep_rank * self.per_rank
-        projections = "|".join(re.escape(p) for p in
-                               (schema.gate_proj_name, schema.up_proj_name, schema.down_proj_name))
+        projections = "|".join(
+            re.escape(p)
+            for p in (schema.gate_proj_name, schema.up_proj_name, schema.down_proj_name)
+        )
         self._pattern = re.compile(
-            rf"^(?P<prefix>.*)\.experts\.(?P<expert>\d+)\.(?P<proj>{projections})\.weight$")
+            rf"^(?P<prefix>.*)\.experts\.(?P<expert>\d+)\.(?P<proj>{projections})\.weight$"
+        )
 
     def map(self, name: str) -> ExpertTarget | None:
         """The fused target of a per-expert tensor name; None for any other name."""

@@ -29,18 +29,31 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float | None) -> torch.T
 
 
 class FusedMoEExperts(nn.Module):
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
-                 ep: ParallelGroup = _SINGLE, swiglu_limit: float | None = None, params_dtype=None):
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        ep: ParallelGroup = _SINGLE,
+        swiglu_limit: float | None = None,
+        params_dtype=None,
+    ):
         super().__init__()
         if num_experts % ep.size:
-            raise ValueError(f"{num_experts} experts do not split over {ep.size} expert-parallel ranks")
+            raise ValueError(
+                f"{num_experts} experts do not split over {ep.size} expert-parallel ranks"
+            )
         self.num_experts, self.ep, self.swiglu_limit = num_experts, ep, swiglu_limit
         self.num_local_experts = num_experts // ep.size
         self.first_local_expert = ep.rank * self.num_local_experts
         self.intermediate_size = intermediate_size
         e = self.num_local_experts
-        self.w13_weight = make_param((e, 2 * intermediate_size, hidden_size), params_dtype, self.weight_loader)
-        self.w2_weight = make_param((e, hidden_size, intermediate_size), params_dtype, self.weight_loader)
+        self.w13_weight = make_param(
+            (e, 2 * intermediate_size, hidden_size), params_dtype, self.weight_loader
+        )
+        self.w2_weight = make_param(
+            (e, hidden_size, intermediate_size), params_dtype, self.weight_loader
+        )
         local_ids = range(self.first_local_expert, self.first_local_expert + e)
         expect_loads(self.w13_weight, {(s, i) for s in ("w1", "w3") for i in local_ids})
         expect_loads(self.w2_weight, {("w2", i) for i in local_ids})
@@ -49,13 +62,16 @@ class FusedMoEExperts(nn.Module):
         local = expert_id - self.first_local_expert
         return local if 0 <= local < self.num_local_experts else None
 
-    def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor, shard_id=None,
-                      expert_id: int | None = None) -> None:
+    def weight_loader(
+        self, param: torch.Tensor, loaded: torch.Tensor, shard_id=None, expert_id: int | None = None
+    ) -> None:
         """Load one expert's `w1`/`w3`/`w2` (shard id + expert id), or the whole fused tensor
         for all experts (`shard_id=None, expert_id=None`, HF `gate_up_proj`/`down_proj`)."""
         if expert_id is None:
             first = self.first_local_expert
-            copy_checked(param.data, loaded[first:first + self.num_local_experts], "fused experts")
+            copy_checked(
+                param.data, loaded[first : first + self.num_local_experts], "fused experts"
+            )
             return
         local = self.local_expert(expert_id)
         if local is None:
@@ -70,7 +86,9 @@ class FusedMoEExperts(nn.Module):
         else:
             raise ValueError(f"expert shard id must be w1, w2 or w3, got {shard_id!r}")
 
-    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    ) -> torch.Tensor:
         """`x [T, H]`, `topk_weights/ids [T, k]` -> `sum_k w_k * expert_{id_k}(x)`, `[T, H]`."""
         num_tokens, top_k = topk_ids.shape
         flat_ids = topk_ids.flatten() - self.first_local_expert

@@ -20,15 +20,20 @@ def score_experts(router_logits: torch.Tensor, scoring_func: str) -> torch.Tenso
         return logits.sigmoid()
     if scoring_func == "softmax":
         return logits.softmax(dim=-1)
-    raise ValueError(f"unsupported MoE scoring_func {scoring_func!r}; "
-                     "supported: sqrtsoftplus, sigmoid, softmax")
+    raise ValueError(
+        f"unsupported MoE scoring_func {scoring_func!r}; supported: sqrtsoftplus, sigmoid, softmax"
+    )
 
 
-def select_experts(router_logits: torch.Tensor, top_k: int, scoring_func: str,
-                   correction_bias: torch.Tensor | None = None,
-                   hash_expert_ids: torch.Tensor | None = None,
-                   renormalize: bool = True,
-                   routed_scaling_factor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+def select_experts(
+    router_logits: torch.Tensor,
+    top_k: int,
+    scoring_func: str,
+    correction_bias: torch.Tensor | None = None,
+    hash_expert_ids: torch.Tensor | None = None,
+    renormalize: bool = True,
+    routed_scaling_factor: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """`router_logits [T, E]` -> `(weights [T, k] fp32, expert_ids [T, k] int64)`.
 
     `hash_expert_ids [T, k]` (from `tid2eid[input_ids]`) replaces the learned selection.
