@@ -1,8 +1,15 @@
 # SPDX-License-Identifier: Apache-2.0
+import os
+
 import pytest
 import torch
 
 from tests.tiny_checkpoints import build_tiny_v4_checkpoint
+
+# Tiny models gain nothing from intra-op threads; on a 2-core machine shared with server
+# subprocesses, spinning thread pools only slow each other down.
+torch.set_num_threads(1)
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 @pytest.fixture(autouse=True)
