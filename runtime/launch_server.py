@@ -4,7 +4,12 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
+
+# Spinning OpenMP workers starve each other (and the HTTP threads) when the CPU is shared;
+# must be set before torch loads.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from runtime.server_args import ServerArgs
 

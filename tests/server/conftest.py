@@ -31,8 +31,7 @@ class ServerProcess:
             sys.executable,
             "-m",
             "runtime.launch_server",
-            "--model-path",
-            str(model_path),
+            *([] if model_path is None else ["--model-path", str(model_path)]),
             "--port",
             str(self.port),
             "--dtype",
@@ -41,7 +40,8 @@ class ServerProcess:
             "warning",
             *flags,
         ]
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
         self.api_key = flags[flags.index("--api-key") + 1] if "--api-key" in flags else None
         deadline = time.time() + 120
         while time.time() < deadline:

@@ -56,3 +56,27 @@ def test_bad_flags_fail_before_loading_weights(flags, message):
     assert result.returncode == 2
     assert message in result.stderr
     assert time.perf_counter() - start < 30
+
+
+def test_launch_server_serves_the_default_model_with_nextn():
+    """`launch_server --speculative-algorithm NEXTN` on a fresh clone: no model path needed."""
+    import requests
+
+    from tests.server.conftest import ServerProcess
+
+    server = ServerProcess(None, "--speculative-algorithm", "NEXTN")
+    try:
+        out = server.post(
+            "/generate",
+            json={
+                "text": "import os\n",
+                "sampling_params": {"temperature": 0, "max_new_tokens": 32, "ignore_eos": True},
+            },
+        ).json()
+        assert out["meta_info"]["completion_tokens"] == 32
+        assert out["meta_info"]["spec_accept_length"] > 1.5
+        info = requests.get(server.url + "/get_server_info", timeout=30).json()
+        assert info["model_path"].endswith("deepseek_v4_tiny")
+        assert info["internal_states"][0]["avg_spec_accept_length"] > 1.5
+    finally:
+        server.stop()

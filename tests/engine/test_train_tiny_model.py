@@ -1,0 +1,182 @@
+# SPDX-License-Identifier: Apache-2.0
+"""scripts/train_tiny_model.py, run for a few steps with a tiny shape on a slice of the
+stdlib: its checkpoint has the released key set, the runtime serves it (plain and NEXTN),
+transformers loads it, and the MTP it trains is exactly the runtime's draft."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from runtime import Engine
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "train_tiny_model.py"
+TINY_SHAPE = {
+    "corpus-limit-files": 24, "vocab-size": 384, "hidden-size": 64, "num-layers": 3,
+    "num-heads": 2, "head-dim": 32, "rope-dim": 16, "q-lora-rank": 32, "o-groups": 2,
+    "o-lora-rank": 16, "sliding-window": 16, "hca-rate": 8, "index-heads": 8,
+    "index-head-dim": 16, "index-topk": 3, "num-experts": 4, "moe-intermediate-size": 32,
+    "num-hash-layers": 1, "max-positions": 512, "seq-len": 64, "batch-size": 2,
+    "warmup-steps": 2, "max-steps": 3, "max-minutes": 0, "seed": 3, "eval-windows": 4,
+}  # fmt: skip
+GREEDY = {"temperature": 0, "max_new_tokens": 12}
+PROMPT = "import os\n\n\ndef main(argv):\n"
+
+
+def load_script():
+    """scripts/ is not a package: import the script from its path."""
+    spec = importlib.util.spec_from_file_location("train_tiny_model", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up here
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def script():
+    return load_script()
+
+
+@pytest.fixture(scope="module")
+def trained(script, tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny_train")
+    out = root / "model"
+    flags = {**TINY_SHAPE, "output-dir": out, "work-dir": root / "work"}
+    script.main([*(f"--{k}={v}" for k, v in flags.items()), "--skip-runtime-eval"])
+    return out
+
+
+def test_checkpoint_directory(trained):
+    names = {p.name for p in trained.iterdir()}
+    assert {
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "README.md",
+        "training.json",
+        "evaluation.json",
+    } <= names
+    config = json.loads((trained / "config.json").read_text())
+    assert config["num_nextn_predict_layers"] == 1 and config["torch_dtype"] == "bfloat16"
+    assert set(config["layer_types"]) == {
+        "sliding_attention",
+        "compressed_sparse_attention",
+        "heavily_compressed_attention",
+    }
+    summary = json.loads((trained / "training.json").read_text())
+    assert summary["steps"] == 3 and summary["heldout"]["trunk"] > 0
+    assert "Held-out results" in (trained / "README.md").read_text()
+
+
+def test_released_key_set_matches_the_test_checkpoints(trained, tmp_path):
+    from safetensors.torch import load_file
+
+    from tests.tiny_checkpoints import build_tiny_v4_mtp_checkpoint
+
+    ours = load_file(str(trained / "model.safetensors"))
+    reference = load_file(str(build_tiny_v4_mtp_checkpoint(tmp_path)[0] / "model.safetensors"))
+
+    def families(names):  # layer and expert indices differ between the two shapes
+        return {re.sub(r"\.\d+\.", ".N.", name) for name in names}
+
+    assert families(ours) == families(reference)
+    assert ours["embed.weight"].dtype == torch.bfloat16
+    assert ours["mtp.0.hc_head_fn"].dtype == torch.float32
+    assert ours["layers.0.ffn.gate.tid2eid"].dtype == torch.int64
+
+
+def test_tokenizer_loads_with_chat_template(trained):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(trained))
+    assert tokenizer(PROMPT)["input_ids"][0] == tokenizer.bos_token_id == 0
+    assert tokenizer.eos_token_id == 1
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+    )
+    assert text == "<|bos|><|user|>\nhi\n<|assistant|>\n"
+
+
+def test_engine_serves_it_plain_and_with_nextn(trained):
+    plain = Engine(model_path=str(trained), dtype="float32")
+    reference = plain.generate(PROMPT, GREEDY)
+    assert len(reference["output_ids"]) > 0 and isinstance(reference["text"], str)
+    nextn = Engine(
+        model_path=str(trained),
+        dtype="float32",
+        speculative_algorithm="NEXTN",
+        speculative_num_steps=3,
+    )
+    out = nextn.generate(PROMPT, GREEDY)
+    assert out["output_ids"] == reference["output_ids"]  # greedy NEXTN is lossless
+    assert out["meta_info"]["spec_verify_ct"] > 0
+
+
+def test_transformers_loads_it_and_agrees_with_the_engine(script, trained):
+    parity = script.transformers_parity(trained, [PROMPT], new_tokens=8)
+    assert parity["equal"] == 1
+
+
+def test_trained_mtp_is_the_runtime_draft(script, trained):
+    """The training-form MTP (transformers block + h/e projections) and the runtime's paged
+    draft give the same logits on the saved weights, as do the two trunks."""
+    from runtime.cache import PagedTokenAllocator, ReqToTokenPool, SlotTable
+    from runtime.configs.model_config import ModelConfig
+    from runtime.execution.forward_mode import CaptureHiddenMode, ForwardMode
+    from runtime.execution.model_runner import ModelInput, ModelRunner
+    from runtime.models.deepseek_v4_mtp import DeepseekV4ForCausalLMNextN
+
+    model = script.load_checkpoint(trained).eval()
+    config = ModelConfig.from_path(trained, "float32")
+    generator = torch.Generator().manual_seed(1)
+    tokens = torch.randint(3, config.vocab_size, (1, 42), generator=generator)
+    with torch.no_grad():
+        trunk_logits, mtp_logits = model(tokens)
+    for seq in (40, 23):  # last rows past CSA (top-k active) and HCA boundaries
+        table = SlotTable(ReqToTokenPool(4, 256), PagedTokenAllocator(64, 4))
+        target = ModelRunner(config, table, max_tokens_per_pass=4, progress=False)
+        draft = ModelRunner(
+            config,
+            table,
+            max_tokens_per_pass=4,
+            model_cls=DeepseekV4ForCausalLMNextN,
+            progress=False,
+        )
+        draft.model.set_embed_and_head(*target.model.get_embed_and_head())
+        req = table.open_request()
+        table.reserve(req, seq + 2)
+        ids = tokens[0]
+        out = target.forward(
+            ModelInput(
+                ForwardMode.EXTEND,
+                ids[:seq],
+                [req],
+                [0],
+                [seq],
+                capture_hidden_mode=CaptureHiddenMode.FULL,
+            )
+        )
+        step = draft.forward(
+            ModelInput(
+                ForwardMode.DRAFT_EXTEND,
+                ids[1 : seq + 1],
+                [req],
+                [0],
+                [seq],
+                capture_hidden_mode=CaptureHiddenMode.LAST,
+                captured_hidden_states=out.hidden_states,
+            )
+        )
+        torch.testing.assert_close(
+            out.next_token_logits[0], trunk_logits[0, seq - 1], atol=1e-4, rtol=1e-4
+        )
+        torch.testing.assert_close(
+            step.next_token_logits[0], mtp_logits[0, seq - 1], atol=1e-4, rtol=1e-4
+        )
