@@ -16,12 +16,12 @@ import torch
 def sink_attention_reference(
     q: torch.Tensor, kv: torch.Tensor, valid: torch.Tensor, sink: torch.Tensor, scale: float
 ) -> torch.Tensor:
-    scores = torch.einsum("thd,tkd->thk", q.float(), kv.float()) * scale
+    scores = torch.bmm(q.float(), kv.float().transpose(1, 2)) * scale
     scores = scores.masked_fill(~valid.unsqueeze(1), float("-inf"))
     sink = sink.float().view(1, -1, 1).expand(scores.shape[0], -1, 1)
     logits = torch.cat([scores, sink], dim=-1)
     probs = torch.softmax(logits, dim=-1)[..., :-1]
-    return torch.einsum("thk,tkd->thd", probs, kv.float()).to(q.dtype)
+    return torch.bmm(probs, kv.float()).to(q.dtype)
 
 
 def sink_attention(
@@ -30,8 +30,8 @@ def sink_attention(
     if q.dtype == torch.float32:
         return sink_attention_reference(q, kv, valid, sink, scale)
     # Low-precision inputs: products in the input dtype, statistics in fp32.
-    scores = torch.einsum("thd,tkd->thk", q, kv).float() * scale
+    scores = torch.bmm(q, kv.transpose(1, 2)).float() * scale
     scores = scores.masked_fill(~valid.unsqueeze(1), float("-inf"))
     sink = sink.float().view(1, -1, 1).expand(scores.shape[0], -1, 1)
     probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
-    return torch.einsum("thk,tkd->thd", probs.to(q.dtype), kv)
+    return torch.bmm(probs.to(q.dtype), kv)

@@ -12,26 +12,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from runtime.kernels.sinkhorn import sinkhorn
 from runtime.layers.norm import rms_normalize
 
 
 def _mixes(x: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
     """`fn @ rms_normalize(flatten(x))` in fp32: [T, hc, H] -> [T, fn_rows]."""
     return F.linear(rms_normalize(x.flatten(1), norm_eps), fn.float())
-
-
-def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
-    """Row softmax (+eps), then alternate column/row normalisation toward doubly stochastic.
-
-    `logits [..., hc, hc]`; the first pass normalises columns, then `iters - 1` row+column
-    passes follow, each denominator padded by `eps`.
-    """
-    comb = torch.softmax(logits, dim=-1) + eps
-    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
-    for _ in range(iters - 1):
-        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
-    return comb
 
 
 def hc_pre(
@@ -65,7 +52,7 @@ def hc_post(
 ) -> torch.Tensor:
     """`X'[o] = post[o] * block_out + sum_i comb[i, o] * residual[i]` -> [T, hc, H]."""
     dtype = residual.dtype
-    mixed = torch.einsum("tio,tid->tod", comb.to(dtype), residual)
+    mixed = torch.bmm(comb.to(dtype).transpose(1, 2), residual)
     return post.to(dtype).unsqueeze(-1) * block_out.unsqueeze(1) + mixed
 
 

@@ -58,15 +58,15 @@ def is_hash_layer(config, layer_id: int) -> bool:
     return layer_id < config.num_hidden_layers and config.mlp_layer_types[layer_id] == "hash_moe"
 
 
-def build_ropes(config) -> dict[str, RotaryEmbedding]:
+def build_rope(config, kind: str) -> RotaryEmbedding:
     """`main` for window-only layers (and MTP), `compress` (YaRN) for compressed layers."""
-    rotary_dim = config.qk_rope_head_dim
-    return {
-        kind: RotaryEmbedding(
-            rotary_dim, config.rope_parameters[kind], interleaved=True, rotate_tail=True
-        )
-        for kind in ("main", "compress")
-    }
+    return RotaryEmbedding(
+        config.qk_rope_head_dim, config.rope_parameters[kind], interleaved=True, rotate_tail=True
+    )
+
+
+def build_ropes(config) -> dict[str, RotaryEmbedding]:
+    return {kind: build_rope(config, kind) for kind in ("main", "compress")}
 
 
 # ---------------------------------------------------------------------------------------
@@ -106,7 +106,8 @@ class DeepseekV4MoE(nn.Module):
             config.hidden_size, shared_width, swiglu_limit=config.swiglu_limit
         )
 
-    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    def route(self, x: torch.Tensor, input_ids: torch.Tensor):
+        """-> (expert weights [T, k], expert ids [T, k], shared-expert output [T, H])."""
         gate = self.gate
         weights, ids = select_experts(
             nn.functional.linear(x, gate.weight),
@@ -117,7 +118,11 @@ class DeepseekV4MoE(nn.Module):
             renormalize=self.renormalize,
             routed_scaling_factor=self.routed_scaling_factor,
         )
-        return self.experts(x, weights, ids) + self.shared_experts(x)
+        return weights, ids, self.shared_experts(x)
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        weights, ids, shared = self.route(x, input_ids)
+        return self.experts(x, weights, ids) + shared
 
 
 class DeepseekV4DecoderLayer(nn.Module):
@@ -141,9 +146,14 @@ class DeepseekV4DecoderLayer(nn.Module):
         self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.ffn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.attn = DeepseekV4Attention(
-            config, self.compress_ratio, layer_id if cache_layer is None else cache_layer
+            config,
+            self.compress_ratio,
+            layer_id if cache_layer is None else cache_layer,
+            build_rope(config, self.rope_kind),
         )
         self.ffn = DeepseekV4MoE(config, is_hash_layer(config, layer_id), mapping)
+
+    # pure stream math between the sub-blocks
 
     def _hc_pre(self, x: torch.Tensor, part: str):
         return hc_pre(
@@ -156,6 +166,18 @@ class DeepseekV4DecoderLayer(nn.Module):
             self.sinkhorn_iters,
         )
 
+    def enter_attn(self, x: torch.Tensor):
+        a, post, comb = self._hc_pre(x, "attn")
+        return self.attn_norm(a), post, comb
+
+    def enter_ffn(self, attn_out: torch.Tensor, x: torch.Tensor, post, comb):
+        x = hc_post(attn_out, x, post, comb)
+        f, post, comb = self._hc_pre(x, "ffn")
+        return self.ffn_norm(f), x, post, comb
+
+    def leave(self, ffn_out: torch.Tensor, x: torch.Tensor, post, comb) -> torch.Tensor:
+        return hc_post(ffn_out, x, post, comb)
+
     def forward(
         self,
         x: torch.Tensor,
@@ -164,10 +186,9 @@ class DeepseekV4DecoderLayer(nn.Module):
         ropes: dict[str, RopeInputs],
     ) -> torch.Tensor:
         """`x [T, hc, H]` -> `[T, hc, H]`."""
-        a, post, comb = self._hc_pre(x, "attn")
-        x = hc_post(self.attn(self.attn_norm(a), ctx, ropes[self.rope_kind]), x, post, comb)
-        f, post, comb = self._hc_pre(x, "ffn")
-        return hc_post(self.ffn(self.ffn_norm(f), input_ids), x, post, comb)
+        a, post, comb = self.enter_attn(x)
+        f, x, post, comb = self.enter_ffn(self.attn(a, ctx, ropes[self.rope_kind]), x, post, comb)
+        return self.leave(self.ffn(f, input_ids), x, post, comb)
 
 
 class DeepseekV4Model(nn.Module):

@@ -315,3 +315,14 @@ def test_vocab_parallel_embedding_and_head(monkeypatch):
     torch.testing.assert_close(total, table[ids])
     full = torch.cat(logits, -1)[:, :11]
     torch.testing.assert_close(full, F.linear(ids.float().unsqueeze(1).expand(-1, 4), table))
+
+
+@pytest.mark.parametrize("rows", [1, 5, 300])
+def test_sinkhorn_fast_path_is_bit_identical(rows):
+    from runtime.kernels.sinkhorn import sinkhorn, sinkhorn_reference
+
+    logits = torch.randn(rows, 4, 4)
+    with torch.no_grad():
+        fast = sinkhorn(logits, 20, 1e-6)
+    assert torch.equal(fast, sinkhorn_reference(logits, 20, 1e-6))
+    torch.testing.assert_close(fast.sum(-2), torch.ones(rows, 4), atol=1e-5, rtol=0)

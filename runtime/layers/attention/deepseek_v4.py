@@ -186,11 +186,13 @@ class DeepseekV4Indexer(nn.Module):
         q = rope.apply(self.wq_b(qr).view(-1, self.num_heads, self.head_dim))
         keys = key_buf[access.read_loc]  # [T, C, d]
         scores = (
-            torch.relu(torch.einsum("thd,tcd->thc", q.float(), keys.float())) * self.head_dim**-0.5
+            torch.relu(torch.bmm(q.float(), keys.float().transpose(1, 2))) * self.head_dim**-0.5
         )
         weights = self.weights_proj(x).float() * self.num_heads**-0.5
-        total = torch.einsum("thc,th->tc", scores, weights).masked_fill(
-            ~access.read_valid, float("-inf")
+        total = (
+            torch.bmm(weights.unsqueeze(1), scores)
+            .squeeze(1)
+            .masked_fill(~access.read_valid, float("-inf"))
         )
         # Ties are common (relu zeroes whole scores); a stable sort breaks them toward the
         # older entry, the same way whatever the batch looks like (topk's order is unspecified).
@@ -204,8 +206,9 @@ class DeepseekV4Attention(nn.Module):
     """One V4 attention block. `cache_layer` addresses the layer's buffers in the pool
     (compact: the MTP layer's cache index differs from its checkpoint layer id)."""
 
-    def __init__(self, config, compress_ratio: int, cache_layer: int):
+    def __init__(self, config, compress_ratio: int, cache_layer: int, rope: RotaryEmbedding):
         super().__init__()
+        self.rope = rope  # this layer's table (cos/sin come precomputed per forward)
         self.num_heads, self.head_dim = config.num_attention_heads, config.head_dim
         self.window, self.eps = config.sliding_window, config.rms_norm_eps
         self.compress_ratio, self.cache_layer = compress_ratio, cache_layer
@@ -229,13 +232,25 @@ class DeepseekV4Attention(nn.Module):
         )
         self.indexer = DeepseekV4Indexer(config, compress_ratio) if compress_ratio == 4 else None
 
-    def forward(self, x: torch.Tensor, ctx: ForwardContext, rope: RopeInputs) -> torch.Tensor:
-        pool: DeepseekV4KVPool = ctx.kv_pool
+    # `project` and `output` are pure tensor math; `forward` does the cache reads and writes
+    # between them.
+
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """-> (query latent qr [T, q_lora], q [T, heads, D], kv [T, D]), rotated."""
         qr, kv = self.fused_wqa_wkv(x).split(self.fused_wqa_wkv.output_sizes, dim=-1)
         qr = self.q_norm(qr)
         q = self.q_head_norm(self.wq_b(qr).view(-1, self.num_heads, self.head_dim))
-        q = rope.apply(q)
-        kv = rope.apply(self.kv_norm(kv))
+        return qr, self.rope.apply(q, cos, sin), self.rope.apply(self.kv_norm(kv), cos, sin)
+
+    def output(self, q, keys, valid, cos, sin) -> torch.Tensor:
+        out = sink_attention(q, keys, valid, self.attn_sink, self.scale)
+        # K = V carried rope; undo it at the query position
+        out = self.rope.apply(out, cos, sin, inverse=True)
+        return self.wo_b(self._grouped_wo_a(out))
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext, rope: RopeInputs) -> torch.Tensor:
+        pool: DeepseekV4KVPool = ctx.kv_pool
+        qr, q, kv = self.project(x, rope.cos, rope.sin)
 
         swa_buf = pool.swa_kv[self.cache_layer]
         window = window_access(ctx, pool, self.window)
@@ -246,9 +261,7 @@ class DeepseekV4Attention(nn.Module):
             ckeys, cvalid = self._compressed_keys(x, qr, ctx, pool, rope)
             keys, valid = torch.cat([keys, ckeys], dim=1), torch.cat([valid, cvalid], dim=1)
 
-        out = sink_attention(q, keys, valid, self.attn_sink, self.scale)
-        out = rope.apply(out, inverse=True)  # K = V carried rope; undo it at the query position
-        return self.wo_b(self._grouped_wo_a(out))
+        return self.output(q, keys, valid, rope.cos, rope.sin)
 
     def _compressed_keys(self, x, qr, ctx, pool, rope) -> tuple[torch.Tensor, torch.Tensor]:
         layer, ratio = self.cache_layer, self.compress_ratio
@@ -267,4 +280,4 @@ class DeepseekV4Attention(nn.Module):
         """Group g (heads `g*H/G .. (g+1)*H/G - 1`) goes through its own `o_lora_rank` block."""
         grouped = out.reshape(out.shape[0], self.o_groups, -1)
         w = self.wo_a.weight.view(self.o_groups, self.o_lora_rank, -1)
-        return torch.einsum("tgi,goi->tgo", grouped, w).flatten(1)
+        return torch.bmm(grouped.transpose(0, 1), w.transpose(1, 2)).transpose(0, 1).flatten(1)
