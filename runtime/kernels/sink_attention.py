@@ -35,3 +35,59 @@ def sink_attention(
     sink = sink.float().view(1, -1, 1).expand(scores.shape[0], -1, 1)
     probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
     return torch.bmm(probs.to(q.dtype), kv)
+
+
+def tiled_scores(
+    q: torch.Tensor, tile_rows: torch.Tensor, row_slot: torch.Tensor, tile_keys: torch.Tensor
+) -> torch.Tensor:
+    """`q [T, H, D]` . `tile_keys [N, K, D]` of each row's tile -> `[T, H, K]`, one batched
+    product per tile (layout as in `tiled_sink_attention`)."""
+    num_tiles, tile_len = tile_rows.shape
+    heads, dim = q.shape[1:]
+    padded_q = torch.cat([q, q.new_zeros(1, heads, dim)])[tile_rows]
+    scores = torch.bmm(padded_q.view(num_tiles, tile_len * heads, dim), tile_keys.transpose(1, 2))
+    return scores.view(num_tiles * tile_len, heads, -1)[row_slot]
+
+
+def tiled_sink_attention(
+    q: torch.Tensor,
+    tile_rows: torch.Tensor,
+    row_slot: torch.Tensor,
+    tile_kv: torch.Tensor,
+    tile_valid: torch.Tensor,
+    row_kv: torch.Tensor | None,
+    row_valid: torch.Tensor | None,
+    sink: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Sink attention whose keys come in two parts: keys shared by a tile of rows, and keys
+    of each row alone. Same result as `sink_attention` on the concatenation
+    `[tile_kv[tile of row] | row_kv[row]]` with the concatenated masks.
+
+    A prefill row reads the window of the positions before it; its neighbours read almost
+    the same window. Gathering it once per tile of `R` consecutive rows instead of once per
+    row cuts the gathered keys by about `R` (the tile's window is `R - 1` keys longer).
+
+    `q [T, H, D]`; `tile_rows [N, R]` the rows of each tile (`T` pads a short tile);
+    `row_slot [T]` each row's index in the flattened `[N * R]` tile layout;
+    `tile_kv [N, Kt, D]`, `tile_valid [N, R, Kt]`; `row_kv [T, Kr, D]`, `row_valid [T, Kr]`
+    (or None). Products run in the input dtype, softmax statistics in fp32.
+    """
+    num_rows, heads, dim = q.shape
+    num_tiles, tile_len = tile_rows.shape
+    tile_scores = tiled_scores(q, tile_rows, row_slot, tile_kv).float() * scale
+    tile_mask = tile_valid.reshape(num_tiles * tile_len, 1, -1)[row_slot]
+    parts = [tile_scores.masked_fill(~tile_mask, float("-inf"))]
+    if row_kv is not None:
+        row_scores = torch.bmm(q, row_kv.transpose(1, 2)).float() * scale
+        parts.append(row_scores.masked_fill(~row_valid.unsqueeze(1), float("-inf")))
+    parts.append(sink.float().view(1, -1, 1).expand(num_rows, -1, 1))
+    probs = torch.softmax(torch.cat(parts, dim=-1), dim=-1)
+    probs = probs.to(q.dtype)
+    width = tile_kv.shape[1]
+    tile_probs = torch.cat([probs[..., :width], probs.new_zeros(1, heads, width)])[tile_rows]
+    out = torch.bmm(tile_probs.view(num_tiles, tile_len * heads, width), tile_kv)
+    out = out.view(num_tiles * tile_len, heads, dim)[row_slot]
+    if row_kv is not None:
+        out = out + torch.bmm(probs[..., width:-1], row_kv)
+    return out

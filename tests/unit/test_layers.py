@@ -11,7 +11,7 @@ from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf_v4
 
 from runtime.distributed import ParallelGroup
 from runtime.kernels.grouped_gemm import grouped_gemm, grouped_gemm_reference
-from runtime.kernels.sink_attention import sink_attention
+from runtime.kernels.sink_attention import sink_attention, tiled_scores, tiled_sink_attention
 from runtime.layers import embedding as embedding_mod
 from runtime.layers import linear as linear_mod
 from runtime.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -268,6 +268,37 @@ def test_sink_attention_matches_explicit_softmax():
             z = (keys @ q[t, h]) * 0.5
             p = z.exp() / (z.exp().sum() + sink[h].exp())
             torch.testing.assert_close(out[t, h], p @ keys)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_rows", [False, True])
+def test_tiled_sink_attention_equals_per_row_keys(dtype, with_rows):
+    """Tiles of 3 rows over a ragged layout (a short tile pads with row T): every row's
+    result equals plain sink attention over its tile's keys followed by its own keys."""
+    gen = torch.Generator().manual_seed(0)
+    num_rows, heads, dim, tile_width, own = 7, 2, 8, 5, 3
+    tile_rows = torch.tensor([[0, 1, 2], [3, 4, 7], [5, 6, 7]])  # rows 3-4 and 5-6 end short
+    row_slot = torch.tensor([0, 1, 2, 3, 4, 6, 7])
+    q = torch.randn(num_rows, heads, dim, generator=gen).to(dtype)
+    tile_kv = torch.randn(3, tile_width, dim, generator=gen).to(dtype)
+    tile_valid = torch.rand(3, 3, tile_width, generator=gen) > 0.3
+    row_kv = torch.randn(num_rows, own, dim, generator=gen).to(dtype) if with_rows else None
+    row_valid = torch.rand(num_rows, own, generator=gen) > 0.3 if with_rows else None
+    sink = torch.randn(heads, generator=gen)
+    out = tiled_sink_attention(
+        q, tile_rows, row_slot, tile_kv, tile_valid, row_kv, row_valid, sink, 0.3
+    )
+    tile_of, lane_of = row_slot // 3, row_slot % 3
+    keys, valid = tile_kv[tile_of], tile_valid[tile_of, lane_of]
+    if with_rows:
+        keys, valid = torch.cat([keys, row_kv], 1), torch.cat([valid, row_valid], 1)
+    expected = sink_attention(q, keys, valid, sink, scale=0.3)
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+    torch.testing.assert_close(out.float(), expected.float(), **tol)
+    scores = tiled_scores(q.float(), tile_rows, row_slot, tile_kv.float())
+    torch.testing.assert_close(
+        scores, torch.bmm(q.float(), tile_kv[tile_of].float().transpose(1, 2))
+    )
 
 
 # tensor-parallel weight loaders ------------------------------------------------------------

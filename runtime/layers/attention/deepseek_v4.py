@@ -17,7 +17,7 @@ from torch import nn
 
 from runtime.cache.deepseek_v4_pool import DeepseekV4KVPool, compressor_overlap
 from runtime.execution.forward_context import ForwardContext
-from runtime.kernels.sink_attention import sink_attention
+from runtime.kernels.sink_attention import tiled_scores, tiled_sink_attention
 from runtime.layers.linear import MergedColumnParallelLinear, ReplicatedLinear
 from runtime.layers.norm import RMSNorm, WeightlessRMSNorm
 from runtime.layers.position_ring import RingAccess, gather_ring, ring_access
@@ -42,14 +42,65 @@ class RopeInputs:
 # ---------------------------------------------------------------------------------------
 
 
-def window_access(ctx: ForwardContext, pool: DeepseekV4KVPool, window: int) -> RingAccess:
-    """Sliding-window keys of every row: positions `p - window + 1 .. p`."""
+TILE_ROWS = 32  # prefill rows sharing one gathered key window (see tiled_sink_attention)
 
-    def build() -> RingAccess:
-        offsets = torch.arange(window - 1, -1, -1, device=ctx.device)
-        key_pos = ctx.positions.unsqueeze(1) - offsets
-        rows = torch.arange(ctx.num_tokens, device=ctx.device)
-        return ring_access(ctx, rows, key_pos, pool.swa_ring, pool.swa_kv[0].shape[0])
+
+@dataclass
+class QueryTiles:
+    """Consecutive rows of one request, `TILE_ROWS` at most per tile (decode: one row each).
+    A tile's keys are gathered once for all its rows."""
+
+    rows: torch.Tensor  # [N, R] input rows of each tile; `num_tokens` pads a short tile
+    row_slot: torch.Tensor  # [T] each row's index in the flattened [N * R] layout
+    row_pos: torch.Tensor  # [N, R] position of each tile row, -1 for padding
+    last_row: torch.Tensor  # [N] last real row of each tile
+    req: torch.Tensor  # [N] batch index of each tile
+
+
+def query_tiles(ctx: ForwardContext) -> QueryTiles:
+    def build() -> QueryTiles:
+        device, lens = ctx.device, ctx.extend_lens
+        tile_len = max(1, min(TILE_ROWS, max(ctx.extend_lens_cpu, default=1)))
+        per_req = (lens + tile_len - 1) // tile_len
+        first_tile = torch.cumsum(per_req, 0) - per_req
+        req = torch.repeat_interleave(torch.arange(ctx.batch_size, device=device), per_req)
+        start = (
+            ctx.extend_start_loc[req]
+            + (torch.arange(req.numel(), device=device) - first_tile[req]) * tile_len
+        )
+        end = torch.minimum(start + tile_len, ctx.extend_start_loc[req] + lens[req])
+        rows = start.unsqueeze(1) + torch.arange(tile_len, device=device)
+        rows = torch.where(rows < end.unsqueeze(1), rows, ctx.num_tokens)
+        offset = (
+            torch.arange(ctx.num_tokens, device=device) - ctx.extend_start_loc[ctx.token_to_req]
+        )
+        row_slot = (
+            first_tile[ctx.token_to_req] + offset // tile_len
+        ) * tile_len + offset % tile_len
+        row_pos = torch.cat([ctx.positions, ctx.positions.new_full((1,), -1)])[rows]
+        return QueryTiles(rows, row_slot, row_pos, end - 1, req)
+
+    return ctx.memo("v4.tiles", build)
+
+
+@dataclass
+class WindowAccess:
+    ring: RingAccess  # reads: each tile's key positions; writes: the window ring
+    valid: torch.Tensor  # [N, R, W + R - 1] key visible to the tile row: p - window < k <= p
+
+
+def window_access(ctx: ForwardContext, pool: DeepseekV4KVPool, window: int) -> WindowAccess:
+    """Sliding-window keys of every tile: its rows read positions `p - window + 1 .. p`."""
+
+    def build() -> WindowAccess:
+        tiles = query_tiles(ctx)
+        width = window + tiles.rows.shape[1] - 1
+        offsets = torch.arange(width - 1, -1, -1, device=ctx.device)
+        key_pos = ctx.positions[tiles.last_row].unsqueeze(1) - offsets
+        ring = ring_access(ctx, tiles.last_row, key_pos, pool.swa_ring, pool.swa_kv[0].shape[0])
+        row_pos, key_pos = tiles.row_pos.unsqueeze(2), key_pos.unsqueeze(1)
+        valid = (key_pos >= 0) & (key_pos <= row_pos) & (key_pos > row_pos - window)
+        return WindowAccess(ring, valid)
 
     return ctx.memo("v4.window", build)
 
@@ -63,8 +114,10 @@ class CompressAccess:
     boundary_rows: torch.Tensor  # [B] rows whose position closes a block
     entry_pos: torch.Tensor  # [B] first position of each new entry's block (its rope position)
     entry_loc: torch.Tensor  # [B] compressed-pool row of each new entry
-    read_loc: torch.Tensor  # [T, C] compressed-pool rows of the entries each row may see
+    req_loc: torch.Tensor  # [bs, C] compressed-pool rows of each request's entries
+    read_loc: torch.Tensor  # [T, C] the entries each row may see (its request's)
     read_valid: torch.Tensor  # [T, C] entry j visible to a row at p iff j < (p + 1) // ratio
+    tile_valid: torch.Tensor  # [N, R, C] the same for each query tile row
 
 
 def compress_access(ctx: ForwardContext, pool: DeepseekV4KVPool, ratio: int) -> CompressAccess:
@@ -87,9 +140,20 @@ def compress_access(ctx: ForwardContext, pool: DeepseekV4KVPool, ratio: int) -> 
             ratio, ctx.req_to_token[req_slots.unsqueeze(1), block_starts]
         )
         read_loc = loc_per_req[ctx.token_to_req]
-        read_valid = torch.arange(num_entries, device=device) < ((pos + 1) // ratio).unsqueeze(1)
+        entries = torch.arange(num_entries, device=device)
+        read_valid = entries < ((pos + 1) // ratio).unsqueeze(1)
+        row_pos = query_tiles(ctx).row_pos.unsqueeze(2)
+        tile_valid = entries < torch.div(row_pos + 1, ratio, rounding_mode="floor")
         return CompressAccess(
-            ratio, state, boundary_rows, entry_pos, entry_loc, read_loc, read_valid
+            ratio,
+            state,
+            boundary_rows,
+            entry_pos,
+            entry_loc,
+            loc_per_req,
+            read_loc,
+            read_valid,
+            tile_valid,
         )
 
     return ctx.memo(f"v4.compress.{ratio}", build)
@@ -184,10 +248,10 @@ class DeepseekV4Indexer(nn.Module):
             empty = access.read_loc.new_zeros((x.shape[0], 0))
             return empty, empty.bool()
         q = rope.apply(self.wq_b(qr).view(-1, self.num_heads, self.head_dim))
-        keys = key_buf[access.read_loc]  # [T, C, d]
-        scores = (
-            torch.relu(torch.bmm(q.float(), keys.float().transpose(1, 2))) * self.head_dim**-0.5
-        )
+        tiles = query_tiles(ctx)
+        keys = key_buf[access.req_loc[tiles.req]]  # [N, C, d]: each tile's request's keys
+        scores = tiled_scores(q.float(), tiles.rows, tiles.row_slot, keys.float())
+        scores = torch.relu(scores) * self.head_dim**-0.5
         weights = self.weights_proj(x).float() * self.num_heads**-0.5
         total = (
             torch.bmm(weights.unsqueeze(1), scores)
@@ -242,39 +306,50 @@ class DeepseekV4Attention(nn.Module):
         q = self.q_head_norm(self.wq_b(qr).view(-1, self.num_heads, self.head_dim))
         return qr, self.rope.apply(q, cos, sin), self.rope.apply(self.kv_norm(kv), cos, sin)
 
-    def output(self, q, keys, valid, cos, sin) -> torch.Tensor:
-        out = sink_attention(q, keys, valid, self.attn_sink, self.scale)
+    def output(self, attn: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         # K = V carried rope; undo it at the query position
-        out = self.rope.apply(out, cos, sin, inverse=True)
+        out = self.rope.apply(attn, cos, sin, inverse=True)
         return self.wo_b(self._grouped_wo_a(out))
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext, rope: RopeInputs) -> torch.Tensor:
         pool: DeepseekV4KVPool = ctx.kv_pool
         qr, q, kv = self.project(x, rope.cos, rope.sin)
+        tiles = query_tiles(ctx)
 
         swa_buf = pool.swa_kv[self.cache_layer]
         window = window_access(ctx, pool, self.window)
-        keys, valid = gather_ring(swa_buf, kv, window.read_idx), window.read_valid
-        swa_buf[window.write_loc] = kv[window.write_rows].to(swa_buf.dtype)
+        tile_kv, tile_valid = gather_ring(swa_buf, kv, window.ring.read_idx), window.valid
+        swa_buf[window.ring.write_loc] = kv[window.ring.write_rows].to(swa_buf.dtype)
 
+        row_kv = row_valid = None
         if self.compressor is not None:
-            ckeys, cvalid = self._compressed_keys(x, qr, ctx, pool, rope)
-            keys, valid = torch.cat([keys, ckeys], dim=1), torch.cat([valid, cvalid], dim=1)
+            layer = self.cache_layer
+            access = compress_access(ctx, pool, self.compress_ratio)
+            self.compressor(
+                x, ctx, access, pool.compressor_state[layer], pool.compressed_kv[layer], rope.rope
+            )
+            if self.indexer is None:  # HCA: every visible entry, shared by a tile's rows
+                entries = pool.compressed_kv[layer][access.req_loc[tiles.req]]
+                tile_kv = torch.cat([tile_kv, entries], dim=1)
+                tile_valid = torch.cat([tile_valid, access.tile_valid], dim=2)
+            else:  # CSA: each row's own top-k entries
+                selected, row_valid = self.indexer(
+                    x, qr, ctx, access, pool.indexer_state[layer], pool.indexer_k[layer], rope
+                )
+                row_kv = pool.compressed_kv[layer][access.read_loc.gather(1, selected)]
 
-        return self.output(q, keys, valid, rope.cos, rope.sin)
-
-    def _compressed_keys(self, x, qr, ctx, pool, rope) -> tuple[torch.Tensor, torch.Tensor]:
-        layer, ratio = self.cache_layer, self.compress_ratio
-        access = compress_access(ctx, pool, ratio)
-        self.compressor(
-            x, ctx, access, pool.compressor_state[layer], pool.compressed_kv[layer], rope.rope
+        attn = tiled_sink_attention(
+            q,
+            tiles.rows,
+            tiles.row_slot,
+            tile_kv,
+            tile_valid,
+            row_kv,
+            row_valid,
+            self.attn_sink,
+            self.scale,
         )
-        if self.indexer is None:  # HCA: every visible entry
-            return pool.compressed_kv[layer][access.read_loc], access.read_valid
-        selected, valid = self.indexer(
-            x, qr, ctx, access, pool.indexer_state[layer], pool.indexer_k[layer], rope
-        )
-        return pool.compressed_kv[layer][access.read_loc.gather(1, selected)], valid
+        return self.output(attn, rope.cos, rope.sin)
 
     def _grouped_wo_a(self, out: torch.Tensor) -> torch.Tensor:
         """Group g (heads `g*H/G .. (g+1)*H/G - 1`) goes through its own `o_lora_rank` block."""
