@@ -1,10 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
 """Static-batch latency through the in-process engine (SGLang's `bench_one_batch` layout).
 
-Every (batch size, input len, output len) combination runs one batch of random prompts
-(greedy, ignore_eos, so each request makes exactly output-len tokens): the first step is the
-prefill (chunked prefill is off, so the whole prompt is one step), every later step a decode
-step (one token, or one NEXTN verify round, per request).
+Every (batch size, input len, output len) combination runs one batch of prompts: random
+token ids, or the first input-len tokens of `--dataset-path` prompts. Decoding is greedy with
+ignore_eos, so each request makes exactly output-len tokens: the first step is the prefill
+(chunked prefill is off, so the whole prompt is one step), every later step a decode step
+(one token, or one NEXTN verify round, per request).
 
     python scripts/bench_one_batch.py --batch-size 1 4 16 --input-len 128 --output-len 64
     python scripts/bench_one_batch.py --compare --batch-size 1 8 --plot one_batch.png
@@ -46,6 +47,7 @@ from bench_common import (  # noqa: E402
     progress,
     random_token_ids,
     ratio_line,
+    read_prompt_file,
     resolve_model_path,
     resolve_torch_dtype,
     run_config,
@@ -67,6 +69,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--input-len", type=int, nargs="+", default=[256])
     p.add_argument("--output-len", type=int, nargs="+", default=[32])
     p.add_argument("--page-size", type=int, default=1)
+    p.add_argument(
+        "--dataset-path",
+        help='prompt file (JSONL with "prompt", or one per line): each batch takes the first '
+        "input-len tokens of prompts at least that long, instead of random token ids",
+    )
     p.add_argument("--run-name", default="default", help="tag stored in the JSONL records")
     p.add_argument("--result-filename", help="append one JSONL record per row")
     p.add_argument(
@@ -96,10 +103,27 @@ def settings_of(args: argparse.Namespace) -> list[tuple[int, int, int]]:
     return list(itertools.product(args.batch_size, args.input_len, args.output_len))
 
 
-def batch_prompts(seed: int, batch_size: int, input_len: int, vocab_size: int) -> list[list[int]]:
-    """The same random prompts for a setting whatever the variant (seeded by the setting)."""
+def batch_prompts(
+    seed: int, batch_size: int, input_len: int, vocab_size: int, file_prompts=None
+) -> list[list[int]]:
+    """The same prompts for a setting whatever the variant (seeded by the setting): random
+    ids, or consecutive `file_prompts` (token ids) long enough, cut to `input_len`."""
     rng = random.Random(f"{seed}-{batch_size}-{input_len}")
-    return [random_token_ids(rng, input_len, vocab_size) for _ in range(batch_size)]
+    if file_prompts is None:
+        return [random_token_ids(rng, input_len, vocab_size) for _ in range(batch_size)]
+    long_enough = [ids[:input_len] for ids in file_prompts if len(ids) >= input_len]
+    if not long_enough:
+        raise ValueError(f"no prompt of --dataset-path has {input_len} tokens; lower --input-len")
+    first = rng.randrange(len(long_enough))
+    return [long_enough[(first + i) % len(long_enough)] for i in range(batch_size)]
+
+
+def tokenized_prompt_file(path: str, model_path: str) -> list[list[int]]:
+    """Token ids of each prompt of `path`, by the checkpoint's tokenizer (no special tokens)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    return [tokenizer.encode(r["prompt"], add_special_tokens=False) for r in read_prompt_file(path)]
 
 
 def greedy(output_len: int) -> dict:
@@ -140,7 +164,9 @@ def run_batch(engine, prompts: list[list[int]], output_len: int) -> tuple[list, 
 def measure_setting(engine, variant: Variant, args, setting: tuple[int, int, int]) -> dict:
     """One row: latency and throughput of one static batch, printed SGLang-style."""
     bs, input_len, output_len = setting
-    prompts = batch_prompts(args.seed, bs, input_len, engine.model_config.vocab_size)
+    prompts = batch_prompts(
+        args.seed, bs, input_len, engine.model_config.vocab_size, args.file_prompts
+    )
     before, retractions = spec_counters(engine), engine.scheduler.num_retractions
     reqs, prefill, times, tokens = run_batch(engine, prompts, output_len)
     accept = accept_length_between(before, spec_counters(engine))
@@ -216,7 +242,9 @@ def print_sglang_lines(row: dict, times: list[float], tokens: list[int]) -> None
 def warm_up(engine, args, setting: tuple[int, int, int]) -> None:
     """One short batch of the first setting, so first-call costs stay out of the timings."""
     bs, input_len, output_len = setting
-    prompts = batch_prompts(args.seed + 1, bs, input_len, engine.model_config.vocab_size)
+    prompts = batch_prompts(
+        args.seed + 1, bs, input_len, engine.model_config.vocab_size, args.file_prompts
+    )
     run_batch(engine, prompts, min(output_len, WARMUP_OUTPUT_LEN))
 
 
@@ -277,7 +305,9 @@ def profile_overhead(engine, variant: Variant, args) -> dict:
     """Batch 1: decode wall time vs time inside the target (and draft) forwards, then a
     cProfile of a second decode loop (separate, so profiling cost does not skew the share)."""
     input_len, output_len = args.input_len[0], max(args.output_len)
-    prompts = batch_prompts(args.seed + 2, 1, input_len, engine.model_config.vocab_size)
+    prompts = batch_prompts(
+        args.seed + 2, 1, input_len, engine.model_config.vocab_size, args.file_prompts
+    )
     timers = {"target": ForwardTimer(engine.runner)}
     if variant.spec:
         timers["draft"] = ForwardTimer(engine.worker.drafter.runner)
@@ -358,11 +388,11 @@ def run_hf_baseline(args, model_path: str, settings, reference: dict) -> list[di
     model = load_hf_model(model_path, dtype, quiet=args.disable_tqdm)
     vocab = model.config.vocab_size
     bs, il, ol = settings[0]
-    warm = torch.tensor(batch_prompts(args.seed + 1, bs, il, vocab))
+    warm = torch.tensor(batch_prompts(args.seed + 1, bs, il, vocab, args.file_prompts))
     hf_generate(model, warm, torch.ones_like(warm), min(ol, WARMUP_OUTPUT_LEN))
     rows = []
     for bs, il, ol in progress(settings, args.disable_tqdm, desc="HF baseline"):
-        ids = torch.tensor(batch_prompts(args.seed, bs, il, vocab))
+        ids = torch.tensor(batch_prompts(args.seed, bs, il, vocab, args.file_prompts))
         out, clock, start = hf_generate(model, ids, torch.ones_like(ids), ol)
         prefill = clock.times[1] - start
         decode = clock.times[-1] - clock.times[1]
@@ -520,7 +550,16 @@ def main(argv: list[str] | None = None) -> dict:
     try:
         variants = build_variants(args)
         model_path = resolve_model_path(args.model_path)
-    except (ValueError, FileNotFoundError) as err:
+        args.file_prompts = None
+        if args.dataset_path:
+            args.file_prompts = tokenized_prompt_file(args.dataset_path, model_path)
+            longest = max(len(ids) for ids in args.file_prompts)
+            if max(args.input_len) > longest:
+                raise ValueError(
+                    f"no prompt of --dataset-path has {max(args.input_len)} tokens (the "
+                    f"longest has {longest}); lower --input-len"
+                )
+    except (ValueError, FileNotFoundError, OSError) as err:
         print(f"bench_one_batch: error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
     args.model_path = model_path

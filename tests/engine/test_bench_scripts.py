@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoTokenizer
 
 from tests.tiny_checkpoints import build_tiny_v4_mtp_checkpoint, save_char_tokenizer
 
@@ -190,6 +191,40 @@ def test_one_batch_hf_baseline(ckpt, capsys):
         ours["overall_throughput"] / hf["overall_throughput"],
         abs_=1e-3,
     )
+
+
+def test_one_batch_prompt_file(ckpt, tmp_path, capsys):
+    data = tmp_path / "prompts.jsonl"
+    data.write_text('{"prompt": "def fib(n):"}\nhi\nreturn a + b\n')
+    bench = script("bench_one_batch")
+    file_prompts = bench.tokenized_prompt_file(str(data), str(ckpt))
+    batch = bench.batch_prompts(0, 3, 6, 97, file_prompts)
+    texts = {"def fi", "return"}  # "hi" is shorter than input-len, so never used
+    tokenizer = AutoTokenizer.from_pretrained(str(ckpt))
+    decoded = {tokenizer.decode(ids) for ids in batch}
+    assert decoded == texts and all(len(ids) == 6 for ids in batch)
+    out = bench.main(
+        ["--model-path", str(ckpt), *COMMON, "--batch-size", "3", "--input-len", "6"]
+        + ["--output-len", "4", "--dataset-path", str(data), "--hf-baseline"]
+    )
+    assert out["hf_rows"][0]["same_greedy_tokens_as_ours"] == "3/3"  # HF saw the same prompts
+    assert out["rows"][0]["generated_tokens"] == 12
+    with pytest.raises(SystemExit):
+        bench.main(
+            ["--model-path", str(ckpt), *COMMON, "--input-len", "99"]
+            + ["--dataset-path", str(data)]
+        )
+    assert "no prompt of --dataset-path has 99 tokens" in capsys.readouterr().err
+
+
+def test_code_prompts_come_from_held_out_files():
+    make = script("make_code_prompts")
+    train, held = make.split_by_file(make.stdlib_sources(), 20)
+    prompts = make.code_prompts(8, 400, 20)
+    assert len(prompts) == 8 and all(0 < len(p) <= 400 for p in prompts)
+    held_texts = [text for _, text in held]
+    assert all(any(text.startswith(p) for text in held_texts) for p in prompts)
+    assert not any(text.startswith(p) for p in prompts for _, text in train)
 
 
 def test_bad_flags_fail_before_loading(capsys):

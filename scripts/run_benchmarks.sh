@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
+# The README's results table: the three benchmarks on the embedded default model, plain vs
+# NEXTN and ours vs HF transformers `generate`, in one run. Prompts are the openings of the
+# Python files the default model held out (its domain, not its training data).
+#
+#   bash scripts/run_benchmarks.sh [OUT_DIR]        # ~15 min on 2 CPU cores
+#
+# Every printed table and ratio goes to OUT_DIR/*.log, the JSONL records to OUT_DIR/*.jsonl.
+# Extra flags for every script can be given in BENCH_FLAGS (default: fp32, one thread).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+out=${1:-bench_results}
+flags=${BENCH_FLAGS:---dtype float32 --threads 1}
+mkdir -p "$out"
+
+python scripts/make_code_prompts.py --num-prompts 64 --prompt-chars 1200 -o "$out/prompts.jsonl"
+
+# shellcheck disable=SC2086  # $flags is a list of flags
+python scripts/bench_one_batch.py $flags --compare --hf-baseline --profile-overhead \
+    --batch-size 1 4 16 --input-len 128 --output-len 64 --dataset-path "$out/prompts.jsonl" \
+    --result-filename "$out/one_batch.jsonl" --plot "$out/one_batch.png" 2>&1 |
+    tee "$out/one_batch.log"
+
+# shellcheck disable=SC2086
+python scripts/bench_offline_throughput.py $flags --compare --hf-baseline \
+    --num-prompts 64 --dataset-path "$out/prompts.jsonl" --random-output-len 64 \
+    --result-filename "$out/offline.jsonl" 2>&1 | tee "$out/offline.log"
+
+# shellcheck disable=SC2086
+python scripts/bench_serving.py $flags --launch-server --compare --backend sglang \
+    --num-prompts 64 --dataset-path "$out/prompts.jsonl" --random-output-len 64 \
+    --request-rate inf --output-file "$out/serving.jsonl" 2>&1 | tee "$out/serving.log"
