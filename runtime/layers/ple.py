@@ -26,7 +26,7 @@ from runtime.layers.causal_conv import causal_conv, conv_window_access
 from runtime.layers.linear import MergedColumnParallelLinear
 from runtime.layers.norm import OffsetRMSNorm
 from runtime.layers.position_ring import gather_ring
-from runtime.layers.weight_utils import copy_checked, make_param
+from runtime.layers.weight_utils import copy_checked, expect_loads, make_param
 
 _MASK64 = (1 << 64) - 1
 _GAMMA, _M1, _M2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
@@ -90,8 +90,10 @@ class NGramEmbedding(nn.Module):
         )
         self.register_buffer("sizes", torch.tensor(sizes), persistent=False)
         self.register_buffer("offsets", torch.tensor(offsets), persistent=False)
-        self.weight = make_param((rows, embed_dim // self.num_heads), loader=self._table_loader)
         self.split_parts = getattr(config, "split_ngram_parts", 1)
+        self.weight = make_param((rows, embed_dim // self.num_heads), loader=self._table_loader)
+        # released checkpoints store the table as `shard_0..shard_{parts-1}` row blocks
+        expect_loads(self.weight, {(shard,) for shard in range(self.split_parts)})
 
     def _table_loader(self, param, loaded, shard_id=None):
         """Whole table, or shard `shard_id` of `split_ngram_parts` row blocks (checkpoint order)."""

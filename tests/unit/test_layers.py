@@ -357,3 +357,34 @@ def test_sinkhorn_fast_path_is_bit_identical(rows):
         fast = sinkhorn(logits, 20, 1e-6)
     assert torch.equal(fast, sinkhorn_reference(logits, 20, 1e-6))
     torch.testing.assert_close(fast.sum(-2), torch.ones(rows, 4), atol=1e-5, rtol=0)
+
+
+def test_ngram_table_loads_whole_or_from_its_released_shards():
+    """The PLE n-gram table arrives whole (transformers names) or as `split_ngram_parts`
+    row shards (released names); a missing shard is reported by its id."""
+    from types import SimpleNamespace
+
+    from runtime.layers.ple import NGramEmbedding
+    from runtime.layers.weight_utils import WeightLoadTracker
+
+    config = SimpleNamespace(
+        ngram_size=3,
+        heads_per_ngram=2,
+        eos_token_id=1,
+        ngram_vocab_size_base=50,
+        make_ngram_vocab_size_divisible_by=8,
+        vocab_size=64,
+        seed=1234,
+        split_ngram_parts=2,
+    )
+    table = NGramEmbedding(config, embed_dim=16, ple_index=0)
+    whole = torch.randn(table.weight.shape)
+    shards = whole.chunk(2)
+    tracker = WeightLoadTracker({"weight": table.weight})
+    tracker.load("shard_0", "weight", shards[0], 0)
+    assert tracker.missing() == {"weight": [(1,)]}
+    tracker.load("shard_1", "weight", shards[1], 1)
+    assert tracker.missing() == {} and torch.equal(table.weight, whole)
+    tracker = WeightLoadTracker({"weight": table.weight})
+    tracker.load("whole", "weight", whole)
+    assert tracker.missing() == {}
