@@ -1,20 +1,17 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Train the embedded default model: a tiny DeepSeek-V4 with one MTP (NextN) layer, on CPU.
+"""Train a tiny model with one MTP (NextN) layer on CPU: the embedded default DeepSeek-V4.
 
 The corpus is the Python standard library of the running interpreter (offline everywhere),
 split by file into train and held-out parts. The script trains a byte-level BPE tokenizer,
-then the trunk (transformers' DeepSeek-V4 modules, training mode, no cache) together with
-one MTP layer whose math is exactly the runtime's draft (runtime/models/deepseek_v4_mtp.py):
+then the family's trunk (transformers' modules, training mode, no cache) together with one
+MTP layer whose math is exactly the runtime's draft. The families live in
+`scripts/tiny_training/` (model, released checkpoint names, model-card lines); this file is
+the shared driver: corpus, tokenizer, training loop, export and evaluation.
 
-    e = enorm(embed(t_{i+1}))  (zero at position 0)
-    x = h_proj(hnorm(h_i)) + e_proj(e)       h_i: trunk streams before hc_head, [hc, H]
-    x = V4 decoder block (window-only attention, learned routing)
-    logits_i = head(norm(hc_head(x)))        predicts t_{i+2}
-
-Loss = CE(trunk, t_{i+1}) + mtp_weight * CE(MTP, t_{i+2}). The output directory is a
-released-naming checkpoint (bf16 safetensors, `mtp.0.*` included), config.json, the
-tokenizer and a README model card with held-out losses and the runtime's measured NEXTN
-acceptance and speed.
+Loss = CE(trunk, t_{i+1}) + mtp_weight * CE(MTP, t_{i+2}) (+ the family's router balancing
+term). The output directory is a released-naming checkpoint (bf16 safetensors, `mtp.*`
+included), config.json, the tokenizer and a README model card with held-out losses and the
+runtime's measured NEXTN acceptance and speed.
 
     python scripts/train_tiny_model.py --max-minutes 60           # train, export, evaluate
     python scripts/train_tiny_model.py --resume --max-minutes 90  # continue from --work-dir
@@ -24,16 +21,12 @@ acceptance and speed.
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import math
 import os
-import re
 import sys
 import sysconfig
-import tempfile
 import time
-import types
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,18 +40,23 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:  # scripts/ is not a package; make `runtime` importable
-    sys.path.insert(0, str(REPO_ROOT))
+# scripts/ is not a package: make `runtime` and the family modules beside this file importable
+for _path in (REPO_ROOT, Path(__file__).resolve().parent):
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
 
-from runtime.models.deepseek_v4 import hf_to_released_name  # noqa: E402
+from tiny_training import FAMILIES, family_of_config  # noqa: E402
 
-DEFAULT_OUTPUT = REPO_ROOT / "runtime" / "assets" / "deepseek_v4_tiny"
-DEFAULT_WORK_DIR = Path(tempfile.gettempdir()) / "train_tiny_model"
 STATE_FILE = "train_state.pt"
 
 BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
 ROLE_MARKERS = {"system": "<|system|>", "user": "<|user|>", "assistant": "<|assistant|>"}
 SPECIAL_TOKENS = [BOS, EOS, PAD, *ROLE_MARKERS.values()]  # ids 0..5, in this order
+TOKEN_IDS = {
+    "bos": SPECIAL_TOKENS.index(BOS),
+    "eos": SPECIAL_TOKENS.index(EOS),
+    "pad": SPECIAL_TOKENS.index(PAD),
+}
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
     "{% for message in messages %}"
@@ -167,364 +165,7 @@ def encode_documents(tokenizer, texts: list[str]) -> torch.Tensor:
     return torch.tensor(ids, dtype=torch.int32)
 
 
-# ---------------------------------------------------------------------------------------
-# Model
-# ---------------------------------------------------------------------------------------
-
-
-def layer_schedule(num_layers: int) -> list[str]:
-    """Window-only first layers, then CSA / HCA alternating (DeepSeek-V4-Flash's pattern)."""
-    head = min(num_layers, 2 if num_layers >= 6 else 1)
-    kinds = ["compressed_sparse_attention", "heavily_compressed_attention"]
-    return ["sliding_attention"] * head + [kinds[i % 2] for i in range(num_layers - head)]
-
-
-def model_config(args: argparse.Namespace, vocab_size: int) -> dict:
-    """The checkpoint's config.json (HF `DeepseekV4Config` keys plus the released ones)."""
-    hidden = args.hidden_size
-    return {
-        "architectures": ["DeepseekV4ForCausalLM"],
-        "model_type": "deepseek_v4",
-        "vocab_size": vocab_size,
-        "hidden_size": hidden,
-        "num_hidden_layers": args.num_layers,
-        "num_attention_heads": args.num_heads,
-        "num_key_value_heads": 1,
-        "head_dim": args.head_dim,
-        "qk_rope_head_dim": args.rope_dim,
-        "q_lora_rank": args.q_lora_rank,
-        "o_groups": args.o_groups,
-        "o_lora_rank": args.o_lora_rank,
-        "sliding_window": args.sliding_window,
-        "layer_types": layer_schedule(args.num_layers),
-        "compress_rates": {
-            "compressed_sparse_attention": 4,
-            "heavily_compressed_attention": args.hca_rate,
-        },
-        "compress_rope_theta": 160000.0,
-        "rope_theta": 10000.0,
-        # YaRN on the compressed layers as in V4, stretched from the training length.
-        "rope_scaling": {
-            "type": "yarn",
-            "factor": args.max_positions / args.seq_len,
-            "original_max_position_embeddings": args.seq_len,
-            "beta_fast": 32,
-            "beta_slow": 1,
-        },
-        "max_position_embeddings": args.max_positions,
-        "index_n_heads": args.index_heads,
-        "index_head_dim": args.index_head_dim,
-        "index_topk": args.index_topk,
-        "num_hash_layers": min(args.num_hash_layers, args.num_layers),
-        "n_routed_experts": args.num_experts,
-        "n_shared_experts": 1,
-        "num_experts_per_tok": args.experts_per_token,
-        "moe_intermediate_size": args.moe_intermediate_size,
-        "routed_scaling_factor": 1.5,
-        "scoring_func": "sqrtsoftplus",
-        "topk_method": "noaux_tc",
-        "norm_topk_prob": True,
-        "swiglu_limit": 10.0,
-        "hidden_act": "silu",
-        "hc_mult": args.hc_mult,
-        "hc_sinkhorn_iters": 20,
-        "hc_eps": 1e-6,
-        "rms_norm_eps": 1e-6,
-        "num_nextn_predict_layers": 1,
-        "bos_token_id": SPECIAL_TOKENS.index(BOS),
-        "eos_token_id": SPECIAL_TOKENS.index(EOS),
-        "pad_token_id": SPECIAL_TOKENS.index(PAD),
-        "tie_word_embeddings": False,
-        "initializer_range": 0.02,
-        "torch_dtype": "bfloat16",
-    }
-
-
-def hf_config(config: dict, extra_layers: int = 0):
-    """A transformers `DeepseekV4Config`, optionally with window-only layers appended (the
-    MTP block is layer `num_hidden_layers` of such a config, as in the released layout)."""
-    from transformers import DeepseekV4Config
-
-    # A deep copy: the config class fills defaults into nested dicts (rope_scaling) in place.
-    config = {
-        k: copy.deepcopy(v) for k, v in config.items() if k not in ("architectures", "model_type")
-    }
-    if extra_layers:
-        config["num_hidden_layers"] += extra_layers
-        config["layer_types"] = config["layer_types"] + ["sliding_attention"] * extra_layers
-    hf = DeepseekV4Config(**config)
-    hf._attn_implementation = "eager"  # V4 ships eager attention only
-    hf._experts_implementation = "eager"  # also for the stand-alone MTP block
-    return hf
-
-
-class MTPLayer(nn.Module):
-    """The MTP (NextN) layer in training form: a transformers decoder block at layer index
-    `num_hidden_layers` plus the MTP's own projections, norms and hc_head."""
-
-    def __init__(self, config: dict):
-        from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
-            DeepseekV4DecoderLayer,
-            DeepseekV4HyperHead,
-            DeepseekV4RMSNorm,
-        )
-
-        super().__init__()
-        plus = hf_config(config, extra_layers=1)
-        hidden, eps = plus.hidden_size, plus.rms_norm_eps
-        self.enorm = DeepseekV4RMSNorm(hidden, eps)
-        self.hnorm = DeepseekV4RMSNorm(hidden, eps)
-        self.e_proj = nn.Linear(hidden, hidden, bias=False)
-        self.h_proj = nn.Linear(hidden, hidden, bias=False)
-        self.block = DeepseekV4DecoderLayer(plus, config["num_hidden_layers"])
-        self.hc_head = DeepseekV4HyperHead(plus)
-        self.norm = DeepseekV4RMSNorm(hidden, eps)
-
-    def forward(
-        self,
-        streams: torch.Tensor,
-        next_embeds: torch.Tensor,
-        rope: dict,
-        positions: torch.Tensor,
-        mask: torch.Tensor,
-    ) -> torch.Tensor:
-        """`streams [B, S, hc, H]`, `next_embeds [B, S, H]` (embedding of t_{i+1}) ->
-        normed hidden `[B, S, H]` for the shared head."""
-        next_embeds = next_embeds.masked_fill((positions == 0).view(1, -1, 1), 0)
-        x = self.h_proj(self.hnorm(streams)) + self.e_proj(self.enorm(next_embeds)).unsqueeze(2)
-        x = self.block(
-            x, position_embeddings=rope, position_ids=positions.unsqueeze(0), attention_mask=mask
-        )
-        return self.norm(self.hc_head(x))
-
-
-class TinyV4(nn.Module):
-    """Trunk (`DeepseekV4ForCausalLM`) + one MTP layer sharing its embedding and head."""
-
-    def __init__(self, config: dict, seed: int):
-        from transformers import DeepseekV4ForCausalLM
-
-        super().__init__()
-        self.config = config
-        torch.manual_seed(seed)
-        self.trunk = DeepseekV4ForCausalLM(hf_config(config)).float()
-        self.mtp = MTPLayer(config).float()
-        self.mtp.apply(self.trunk._init_weights)  # the trunk's init scheme for the MTP too
-        init_hash_routing_(self.trunk, torch.Generator().manual_seed(seed + 1))
-        use_fast_hyper_connections_(self)
-        self._streams: torch.Tensor | None = None
-        self.detach_streams = False  # True: no MTP gradient into the trunk
-        self.trunk.model.layers[-1].register_forward_hook(self._keep_streams)
-
-    def _keep_streams(self, module, inputs, output):
-        self._streams = output  # the last layer's output: the streams before hc_head
-
-    def forward(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """`tokens [B, S + 2]` -> (trunk logits `[B, S, V]` for t_{i+1},
-        MTP logits `[B, S, V]` for t_{i+2})."""
-        seq = tokens.shape[1] - 2
-        inputs, next_ids = tokens[:, :seq], tokens[:, 1 : seq + 1]
-        trunk_logits = self.trunk(input_ids=inputs, use_cache=False).logits
-        streams, self._streams = self._streams, None
-        if self.detach_streams:
-            streams = streams.detach()
-        model = self.trunk.model
-        positions = torch.arange(seq, device=tokens.device)
-        rope = {
-            kind: model.rotary_emb(streams, positions.unsqueeze(0), layer_type=kind)
-            for kind in ("main", "compress")
-        }
-        mask = sliding_window_mask(seq, self.config["sliding_window"], tokens.device)
-        hidden = self.mtp(streams, model.embed_tokens(next_ids), rope, positions, mask)
-        return trunk_logits, self.trunk.lm_head(hidden)
-
-
-def sinkhorn_tokens_last(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
-    """mHC's Sinkhorn (runtime/layers/hyper_connection.py::sinkhorn) on `[hc, hc, N]`: rows
-    are dim 0, columns dim 1, tokens last, so each of the ~80 reductions is a few long
-    vector adds instead of a strided reduction over 4 elements (the same math; the Sinkhorn
-    share of a training step's CPU time drops from about a fifth to a few percent)."""
-    comb = torch.softmax(logits, dim=1) + eps
-    comb = comb / (comb.sum(dim=0, keepdim=True) + eps)
-    for _ in range(iters - 1):
-        comb = comb / (comb.sum(dim=1, keepdim=True) + eps)
-        comb = comb / (comb.sum(dim=0, keepdim=True) + eps)
-    return comb
-
-
-def fast_hyper_connection_forward(self, hidden_streams: torch.Tensor):
-    """Drop-in `DeepseekV4HyperConnection.forward` (transformers) with the Sinkhorn done
-    tokens-last; returns the same `(post, comb, collapsed)`."""
-    batch, seq = hidden_streams.shape[:2]
-    hc = self.hc_mult
-    mixes = F.linear(self.input_norm(hidden_streams.view(batch, seq, -1).float()), self.fn.float())
-    pre_w, post_w, comb_w = mixes.split([hc, hc, hc * hc], dim=-1)
-    pre_b, post_b, comb_b = self.base.split([hc, hc, hc * hc])
-    pre_scale, post_scale, comb_scale = self.scale.unbind(0)
-    pre = torch.sigmoid(pre_w * pre_scale + pre_b) + self.hc_eps
-    post = 2 * torch.sigmoid(post_w * post_scale + post_b)
-    logits = (comb_w * comb_scale + comb_b).reshape(-1, hc, hc).permute(1, 2, 0)
-    comb = sinkhorn_tokens_last(logits, self.hc_sinkhorn_iters, self.hc_eps)
-    comb = comb.permute(2, 0, 1).reshape(batch, seq, hc, hc).contiguous()
-    collapsed = (pre.unsqueeze(-1) * hidden_streams).sum(dim=2).to(hidden_streams.dtype)
-    return post, comb, collapsed
-
-
-def use_fast_hyper_connections_(model: nn.Module) -> None:
-    """Route every mHC module of `model` through `fast_hyper_connection_forward`."""
-    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4HyperConnection
-
-    for module in model.modules():
-        if isinstance(module, DeepseekV4HyperConnection):
-            module.forward = types.MethodType(fast_hyper_connection_forward, module)
-
-
-def sliding_window_mask(seq: int, window: int, device) -> torch.Tensor:
-    """Additive causal mask `[1, 1, S, S]`: key k is visible to query q iff q-window < k <= q."""
-    q = torch.arange(seq, device=device).view(-1, 1)
-    k = torch.arange(seq, device=device).view(1, -1)
-    visible = (k <= q) & (k > q - window)
-    mask = torch.zeros(seq, seq, device=device).masked_fill(~visible, float("-inf"))
-    return mask.view(1, 1, seq, seq)
-
-
-def init_hash_routing_(trunk: nn.Module, generator: torch.Generator) -> None:
-    """Hash layers route by a frozen token -> experts table; transformers leaves it zero
-    (the real one comes from the checkpoint), so draw one: distinct experts per token."""
-    for layer in trunk.model.layers:
-        gate = layer.mlp.gate
-        if hasattr(gate, "tid2eid"):
-            vocab, top_k = gate.tid2eid.shape
-            scores = torch.rand(vocab, gate.num_experts, generator=generator)
-            gate.tid2eid.copy_(scores.argsort(dim=-1)[:, :top_k])
-
-
-class ExpertBalancer:
-    """Auxiliary-loss-free load balancing (DeepSeek-V3/V4): after each step, nudge every
-    learned router's selection bias toward under-loaded experts."""
-
-    def __init__(self, model: nn.Module, rate: float):
-        from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4TopKRouter
-
-        self.rate = rate
-        self.routers = [m for m in model.modules() if isinstance(m, DeepseekV4TopKRouter)]
-        self.loads = {id(r): torch.zeros(r.num_experts) for r in self.routers}
-        for router in self.routers:
-            router.register_forward_hook(self._count)
-
-    def _count(self, router, inputs, output):
-        if router.training:
-            indices = output[2]
-            counts = torch.bincount(indices.flatten(), minlength=router.num_experts)
-            self.loads[id(router)] += counts
-
-    @torch.no_grad()
-    def update(self) -> None:
-        for router in self.routers:
-            load = self.loads[id(router)]
-            router.e_score_correction_bias += self.rate * torch.sign(load.mean() - load)
-            load.zero_()
-
-
-# ---------------------------------------------------------------------------------------
-# Released checkpoint names
-# ---------------------------------------------------------------------------------------
-
-# Released dtypes: the mHC mixers, sinks, compressor position biases and router biases are
-# F32, the hash table I64, everything else BF16.
-_F32_SUFFIXES = (
-    "hc_attn_fn",
-    "hc_attn_base",
-    "hc_attn_scale",
-    "hc_ffn_fn",
-    "hc_ffn_base",
-    "hc_ffn_scale",
-    "hc_head_fn",
-    "hc_head_base",
-    "hc_head_scale",
-    "attn_sink",
-    ".ape",
-    "gate.bias",
-)
-
-
-def _expert_split(name: str, tensor: torch.Tensor, intermediate: int):
-    """transformers' fused routed experts -> released per-expert (name, tensor) pairs."""
-    if name.endswith("mlp.experts.gate_up_proj"):
-        prefix = hf_to_released_name(name.removesuffix(".experts.gate_up_proj") + ".x")[:-2]
-        for e in range(tensor.shape[0]):
-            yield f"{prefix}.experts.{e}.w1.weight", tensor[e, :intermediate]
-            yield f"{prefix}.experts.{e}.w3.weight", tensor[e, intermediate:]
-    else:
-        prefix = hf_to_released_name(name.removesuffix(".experts.down_proj") + ".x")[:-2]
-        for e in range(tensor.shape[0]):
-            yield f"{prefix}.experts.{e}.w2.weight", tensor[e]
-
-
-def _released_items(hf_state: dict[str, torch.Tensor], intermediate: int):
-    for name, tensor in hf_state.items():
-        if name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
-            yield from _expert_split(name, tensor, intermediate)
-        else:
-            yield hf_to_released_name(name), tensor
-
-
-def _mtp_hf_state(model: TinyV4) -> dict[str, torch.Tensor]:
-    """The MTP's tensors under transformers names of a trunk one layer deeper, with the
-    layer-level extras under their released names (they have no transformers spelling)."""
-    mtp, n = model.mtp, model.config["num_hidden_layers"]
-    state = {f"model.layers.{n}.{k}": v for k, v in mtp.block.state_dict().items()}
-    state.update(
-        {
-            "mtp.0.enorm.weight": mtp.enorm.weight,
-            "mtp.0.hnorm.weight": mtp.hnorm.weight,
-            "mtp.0.e_proj.weight": mtp.e_proj.weight,
-            "mtp.0.h_proj.weight": mtp.h_proj.weight,
-            "mtp.0.norm.weight": mtp.norm.weight,
-            "mtp.0.hc_head_fn": mtp.hc_head.hc_fn,
-            "mtp.0.hc_head_base": mtp.hc_head.hc_base,
-            "mtp.0.hc_head_scale": mtp.hc_head.hc_scale,
-        }
-    )
-    return state
-
-
-def released_state_dict(model: TinyV4) -> dict[str, torch.Tensor]:
-    """The whole model in the released DeepSeek-V4 naming and dtypes (`mtp.0.*` included)."""
-    intermediate, n = model.config["moe_intermediate_size"], model.config["num_hidden_layers"]
-    out = dict(_released_items(model.trunk.state_dict(), intermediate))
-    for name, tensor in _released_items(_mtp_hf_state(model), intermediate):
-        out[re.sub(rf"^layers\.{n}\.", "mtp.0.", name)] = tensor
-    return {name: _released_dtype(name, t).contiguous() for name, t in out.items()}
-
-
-def _released_dtype(name: str, tensor: torch.Tensor) -> torch.Tensor:
-    if not tensor.is_floating_point():
-        return tensor.detach().clone()
-    dtype = torch.float32 if name.endswith(_F32_SUFFIXES) else torch.bfloat16
-    return tensor.detach().to(dtype).clone()
-
-
-def load_released_state_(model: TinyV4, tensors: dict[str, torch.Tensor]) -> None:
-    """Inverse of `released_state_dict`: fill `model` from a released-naming checkpoint."""
-    intermediate, n = model.config["moe_intermediate_size"], model.config["num_hidden_layers"]
-
-    def fill(hf_state: dict[str, torch.Tensor], rename) -> None:
-        for name, param in hf_state.items():
-            if name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
-                parts = [tensors[rename(k)] for k, _ in _expert_split(name, param, intermediate)]
-                if name.endswith("gate_up_proj"):  # (w1, w3) pairs, stacked [gate; up]
-                    parts = [torch.cat(parts[i : i + 2]) for i in range(0, len(parts), 2)]
-                value = torch.stack(parts)
-            else:
-                value = tensors[rename(hf_to_released_name(name))]
-            param.data.copy_(value.to(param.dtype))
-
-    fill(model.trunk.state_dict(), lambda k: k)
-    fill(_mtp_hf_state(model), lambda k: re.sub(rf"^layers\.{n}\.", "mtp.0.", k))
-
-
-def count_parameters(model: TinyV4) -> dict[str, int]:
+def count_parameters(model: nn.Module) -> dict[str, int]:
     trunk = sum(p.numel() for p in model.trunk.parameters())
     mtp = sum(p.numel() for p in model.mtp.parameters())
     return {"trunk": trunk, "mtp": mtp, "total": trunk + mtp}
@@ -555,7 +196,7 @@ def eval_windows(stream: torch.Tensor, count: int, seq: int) -> torch.Tensor:
     return torch.stack([stream[s : s + seq + 2] for s in starts.tolist()])
 
 
-def losses(model: TinyV4, tokens: torch.Tensor) -> dict[str, torch.Tensor]:
+def losses(model: nn.Module, tokens: torch.Tensor) -> dict[str, torch.Tensor]:
     """Cross-entropies of the trunk (t_{i+1}) and the MTP (t_{i+2}), plus top-1 agreement
     of the MTP with the trunk's next prediction (what greedy NEXTN accepts as draft 1)."""
     seq = tokens.shape[1] - 2
@@ -578,7 +219,7 @@ def losses(model: TinyV4, tokens: torch.Tensor) -> dict[str, torch.Tensor]:
 
 
 @torch.no_grad()
-def evaluate_heldout(model: TinyV4, windows: torch.Tensor, batch: int, autocast: bool) -> dict:
+def evaluate_heldout(model: nn.Module, windows: torch.Tensor, batch: int, autocast: bool) -> dict:
     """Mean held-out losses / accuracies over fixed windows."""
     model.eval()
     totals: dict[str, float] = {}
@@ -592,7 +233,7 @@ def evaluate_heldout(model: TinyV4, windows: torch.Tensor, batch: int, autocast:
     return {k: v / len(windows) for k, v in totals.items()}
 
 
-def make_optimizer(model: TinyV4, args) -> torch.optim.Optimizer:
+def make_optimizer(model: nn.Module, args) -> torch.optim.Optimizer:
     """AdamW; weight decay on matrices only (not norms, biases, mHC mixers, sinks)."""
     decay, rest = [], []
     for name, param in model.named_parameters():
@@ -640,12 +281,12 @@ def save_state(path: Path, model, optimizer, state: TrainState, gen, config) -> 
     os.replace(tmp, path)  # never leave a half-written state behind
 
 
-def train(args, model: TinyV4, train_stream, held_windows, work_dir: Path) -> TrainState:
+def train(args, model: nn.Module, train_stream, held_windows, work_dir: Path) -> TrainState:
     """The training loop: stops at --max-steps / --max-minutes, saving its state as it goes."""
     from tqdm import tqdm
 
     optimizer = make_optimizer(model, args)
-    balancer = ExpertBalancer(model, args.bias_update_rate)
+    balancer = FAMILIES[args.family].make_balancer(model, args)
     gen = torch.Generator().manual_seed(args.seed + 2)
     state, state_path = TrainState(), work_dir / STATE_FILE
     if args.resume and state_path.exists():
@@ -674,6 +315,9 @@ def train(args, model: TinyV4, train_stream, held_windows, work_dir: Path) -> Tr
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.precision == "bf16"):
             result = losses(model, tokens)
         loss = result["trunk"] + args.mtp_weight * result["mtp"]
+        balance = balancer.loss()  # None where routers balance without a loss term
+        if balance is not None:
+            loss = loss + balance
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
@@ -751,7 +395,7 @@ def prepare_corpus(args, work_dir: Path) -> Corpus:
     return Corpus(tokenizer, train_stream, held_stream, held_sources, info)
 
 
-def export_checkpoint(model: TinyV4, tokenizer, out_dir: Path) -> float:
+def export_checkpoint(model: nn.Module, tokenizer, out_dir: Path) -> float:
     """Write config.json, model.safetensors (released naming, bf16) and the tokenizer into
     `out_dir`; returns the weights file size in MB."""
     from safetensors.torch import save_file
@@ -759,19 +403,21 @@ def export_checkpoint(model: TinyV4, tokenizer, out_dir: Path) -> float:
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "config.json").write_text(json.dumps(model.config, indent=2) + "\n")
     weights = out_dir / "model.safetensors"
-    save_file(released_state_dict(model), str(weights), metadata={"format": "pt"})
+    state = family_of_config(model.config).released_state_dict(model)
+    save_file(state, str(weights), metadata={"format": "pt"})
     weights.chmod(0o644)  # safetensors writes 0600; the file ships with the package
     save_tokenizer(tokenizer, out_dir, model.config["max_position_embeddings"])
     return weights.stat().st_size / 1e6
 
 
-def load_checkpoint(path: Path) -> TinyV4:
+def load_checkpoint(path: Path) -> nn.Module:
     """The training-form model (trunk + MTP, fp32) of a checkpoint this script wrote."""
     from safetensors.torch import load_file
 
     config = json.loads((path / "config.json").read_text())
-    model = TinyV4(config, seed=0)
-    load_released_state_(model, load_file(str(path / "model.safetensors")))
+    family = family_of_config(config)
+    model = family.TinyModel(config, seed=0)
+    family.load_released_state_(model, load_file(str(path / "model.safetensors")))
     return model
 
 
@@ -878,12 +524,13 @@ def runtime_report(path: Path, prompts: list[str], dtype: str, steps: int, new_t
 def transformers_parity(path: Path, prompts: list[str], new_tokens: int = 32) -> dict:
     """transformers loads the directory (ignoring `mtp.*`), and its greedy `generate`
     equals the runtime's greedy output in fp32."""
-    from transformers import AutoTokenizer, DeepseekV4ForCausalLM
+    from transformers import AutoTokenizer
 
     from runtime import Engine
 
+    family = family_of_config(json.loads((path / "config.json").read_text()))
     tokenizer = AutoTokenizer.from_pretrained(str(path))
-    model = DeepseekV4ForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    model = family.hf_causal_lm().from_pretrained(str(path), dtype=torch.float32).eval()
     engine = Engine(model_path=str(path), dtype="float32")
     equal = []
     for prompt in prompts:
@@ -902,15 +549,6 @@ def transformers_parity(path: Path, prompts: list[str], new_tokens: int = 32) ->
 # ---------------------------------------------------------------------------------------
 
 
-def _attention_summary(config: dict) -> str:
-    kinds = {
-        "sliding_attention": "W",
-        "compressed_sparse_attention": "C",
-        "heavily_compressed_attention": "H",
-    }
-    return "".join(kinds[t] for t in config["layer_types"])
-
-
 def _dtype_note(report: dict) -> str:
     speeds = report.get("dtype_plain_tokens_per_s")
     if not speeds:
@@ -919,48 +557,10 @@ def _dtype_note(report: dict) -> str:
     return f" ({report['dtype']} is the faster here; plain tokens/s on 4 prompts: {shown})"
 
 
-def model_card(config: dict, summary: dict, report: dict | None, parity: dict | None) -> str:
-    """README.md of the checkpoint directory, from the training summary and measurements."""
-    params, corpus, held = summary["params"], summary["corpus"], summary["heldout"]
-    rates = config["compress_rates"]
-    lines = [
-        "# deepseek_v4_tiny: the embedded default model of nextn-runtime",
-        "",
-        "A tiny DeepSeek-V4 with one MTP (NextN) layer, trained from scratch on CPU by",
-        "`scripts/train_tiny_model.py` on the Python standard library. It exists so that the",
-        "runtime serves something by default and NEXTN speculative decoding has drafts worth",
-        "accepting. It continues Python source with Python-looking text, often repetitive",
-        "(an hour of CPU training); it is not an assistant (the chat template only frames",
-        "messages, the model never saw chat data) and knows nothing but the standard library.",
-        "",
-        "## Architecture",
-        "",
-        "| | |",
-        "|---|---|",
-        f"| layers | {config['num_hidden_layers']} (+1 MTP), attention "
-        f"`{_attention_summary(config)}` "
-        f"(W window-only, C CSA rate {rates['compressed_sparse_attention']} with indexer, "
-        f"H HCA rate {rates['heavily_compressed_attention']}) |",
-        f"| hidden / mHC streams | {config['hidden_size']} / {config['hc_mult']} |",
-        f"| attention | {config['num_attention_heads']} query heads of {config['head_dim']} "
-        f"(RoPE on {config['qk_rope_head_dim']}), one shared KV latent, q rank "
-        f"{config['q_lora_rank']}, {config['o_groups']} output groups of rank "
-        f"{config['o_lora_rank']}, window {config['sliding_window']} |",
-        f"| indexer | {config['index_n_heads']} heads of {config['index_head_dim']}, "
-        f"top-{config['index_topk']} |",
-        f"| MoE | {config['n_routed_experts']} routed experts "
-        f"(top-{config['num_experts_per_tok']}, "
-        f"width {config['moe_intermediate_size']}) + 1 shared; first {config['num_hash_layers']} "
-        f"layers hash-routed |",
-        f"| vocabulary / context | {config['vocab_size']} byte-level BPE / "
-        f"{config['max_position_embeddings']} |",
-        f"| parameters | {params['total'] / 1e6:.2f} M ({params['trunk'] / 1e6:.2f} M trunk, "
-        f"{params['mtp'] / 1e6:.2f} M MTP; embedding and head shared) |",
-        f"| file | `model.safetensors`, {summary['size_mb']:.1f} MB, released DeepSeek-V4 names "
-        "(`mtp.0.*` included), BF16 (mHC mixers, sinks, biases F32) |",
-        "",
-        "## Training",
-        "",
+def _card_data_lines(config: dict, summary: dict) -> list[str]:
+    """Corpus, tokenizer and optimisation: the same for every family."""
+    corpus = summary["corpus"]
+    return [
         f"* Corpus: the standard library `*.py` of Python {corpus['python']} (site-packages "
         f"excluded), sorted by path, every {corpus['holdout_every']}th file held out: "
         f"{corpus['files_train']} train files ({corpus['bytes_train'] / 1e6:.1f} MB, "
@@ -976,17 +576,12 @@ def model_card(config: dict, summary: dict, report: dict | None, parity: dict | 
         f"peak lr {summary['lr']:g}, {summary['warmup_steps']} warm-up steps then cosine to "
         f"{summary['min_lr_ratio']:g}x, weight decay {summary['weight_decay']:g}, "
         f"{summary['precision']} autocast, seed {summary['seed']}.",
-        f"* Loss = CE(next token) + {summary['mtp_weight']:g} x CE(MTP, token after next). "
-        + (
-            "The MTP reads the trunk streams detached (no MTP gradient into the trunk)."
-            if summary["mtp_detach"]
-            else "MTP gradients flow into the trunk (as DeepSeek trains it)."
-        ),
-        "* Routers balance with DeepSeek's auxiliary-loss-free bias update; hash-routed "
-        "layers use a fixed random token -> experts table. The indexer is not trained (its "
-        "top-k is not differentiable; DeepSeek trains it by distillation): it keeps its "
-        "initial weights.",
-        "",
+    ]
+
+
+def _card_heldout_lines(summary: dict) -> list[str]:
+    held = summary["heldout"]
+    return [
         "## Held-out results",
         "",
         f"Over {summary['heldout_windows']} windows of {summary['seq_len']} tokens of the held-out "
@@ -1001,41 +596,47 @@ def model_card(config: dict, summary: dict, report: dict | None, parity: dict | 
         f"MTP argmax = trunk's next argmax (the first draft token greedy NEXTN accepts): "
         f"{held['mtp_agreement']:.3f}.",
     ]
-    if report is not None:
-        per_pos = ", ".join(f"{r:.3f}" for r in report["accept_rate_per_position"])
-        lines += [
-            "",
-            "## Served by the runtime",
-            "",
-            f'`Engine(model_path=DIR, dtype="{report["dtype"]}")`, greedy, '
-            f"{report['max_new_tokens']} new tokens for each of {report['num_prompts']} prompts "
-            "(the first lines, up to 320 characters, of held-out files), one at a time (batch 1), "
-            f"{report['threads']} torch threads with `OMP_WAIT_POLICY=PASSIVE`"
-            + _dtype_note(report)
-            + ":",
-            "",
-            "| | tokens/s |",
-            "|---|---|",
-            f"| plain decoding | {report['plain_tokens_per_s']:.1f} |",
-            f"| NEXTN, {report['speculative_num_steps']} draft steps | "
-            f"{report['nextn_tokens_per_s']:.1f} ({report['speedup']:.2f}x) |",
-            "",
-            f"* Accept length (tokens per verify round): **{report['accept_length']:.2f}**.",
-            f"* Share of rounds that accepted draft 1..{report['speculative_num_steps']}: "
-            f"{per_pos}.",
-            f"* Histogram of accepted drafts per round (index m = rounds that accepted m): "
-            f"{report['accept_histogram']}.",
-            f"* NEXTN output identical to plain greedy output for "
-            f"{report['nextn_equals_plain']} of {report['num_prompts']} prompts.",
-        ]
-    if parity is not None:
-        lines += [
-            f"* transformers `DeepseekV4ForCausalLM.from_pretrained` loads this directory "
-            f"(ignoring `mtp.*`); its greedy `generate` equals the runtime's (fp32) on "
-            f"{parity['equal']} of {parity['prompts']} prompts "
-            f"({parity['new_tokens']} tokens)."
-        ]
-    lines += [
+
+
+def _card_runtime_lines(report: dict) -> list[str]:
+    per_pos = ", ".join(f"{r:.3f}" for r in report["accept_rate_per_position"])
+    return [
+        "",
+        "## Served by the runtime",
+        "",
+        f'`Engine(model_path=DIR, dtype="{report["dtype"]}")`, greedy, '
+        f"{report['max_new_tokens']} new tokens for each of {report['num_prompts']} prompts "
+        "(the first lines, up to 320 characters, of held-out files), one at a time (batch 1), "
+        f"{report['threads']} torch threads with `OMP_WAIT_POLICY=PASSIVE`"
+        + _dtype_note(report)
+        + ":",
+        "",
+        "| | tokens/s |",
+        "|---|---|",
+        f"| plain decoding | {report['plain_tokens_per_s']:.1f} |",
+        f"| NEXTN, {report['speculative_num_steps']} draft steps | "
+        f"{report['nextn_tokens_per_s']:.1f} ({report['speedup']:.2f}x) |",
+        "",
+        f"* Accept length (tokens per verify round): **{report['accept_length']:.2f}**.",
+        f"* Share of rounds that accepted draft 1..{report['speculative_num_steps']}: {per_pos}.",
+        f"* Histogram of accepted drafts per round (index m = rounds that accepted m): "
+        f"{report['accept_histogram']}.",
+        f"* NEXTN output identical to plain greedy output for "
+        f"{report['nextn_equals_plain']} of {report['num_prompts']} prompts.",
+    ]
+
+
+def _card_parity_line(hf_class: str, parity: dict) -> str:
+    return (
+        f"* transformers `{hf_class}.from_pretrained` loads this directory "
+        f"(ignoring `mtp.*`); its greedy `generate` equals the runtime's (fp32) on "
+        f"{parity['equal']} of {parity['prompts']} prompts "
+        f"({parity['new_tokens']} tokens)."
+    )
+
+
+def _card_reproduce_lines(summary: dict) -> list[str]:
+    return [
         "",
         "## Reproduce",
         "",
@@ -1051,6 +652,32 @@ def model_card(config: dict, summary: dict, report: dict | None, parity: dict | 
         "during training) and vary with its load.",
         "",
     ]
+
+
+def model_card(config: dict, summary: dict, report: dict | None, parity: dict | None) -> str:
+    """README.md of the checkpoint directory, from the training summary and measurements."""
+    family = family_of_config(config)
+    lines = [
+        *family.card_introduction(config),
+        "",
+        "## Architecture",
+        "",
+        "| | |",
+        "|---|---|",
+        *family.card_architecture(config, summary["params"], summary["size_mb"]),
+        "",
+        "## Training",
+        "",
+        *_card_data_lines(config, summary),
+        *family.card_training_notes(summary),
+        "",
+        *_card_heldout_lines(summary),
+    ]
+    if report is not None:
+        lines += _card_runtime_lines(report)
+    if parity is not None:
+        lines.append(_card_parity_line(family.HF_CLASS_NAME, parity))
+    lines += _card_reproduce_lines(summary)
     return "\n".join(lines)
 
 
@@ -1099,15 +726,30 @@ def evaluate_checkpoint(path: Path, args) -> dict:
     return {"heldout": summary["heldout"], "runtime": report, "transformers_parity": parity}
 
 
+def _family_flag(parser) -> None:
+    parser.add_argument(
+        "--family",
+        choices=sorted(FAMILIES),
+        default="deepseek_v4",
+        help="model family; the shape flags and defaults shown are this family's "
+        "(`--family NAME --help` for another)",
+    )
+
+
 def parse_args(argv=None) -> argparse.Namespace:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    pre = argparse.ArgumentParser(add_help=False)
+    _family_flag(pre)
+    family = FAMILIES[pre.parse_known_args(argv)[0].family]
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
     run = p.add_argument_group("run")
-    run.add_argument("--output-dir", default=str(DEFAULT_OUTPUT))
+    _family_flag(run)
+    run.add_argument("--output-dir", default=str(family.DEFAULT_OUTPUT))
     run.add_argument(
         "--work-dir",
-        default=str(DEFAULT_WORK_DIR),
+        default=str(family.DEFAULT_WORK_DIR),
         help="training state and tokenizer, for --resume",
     )
     run.add_argument("--resume", action="store_true", help="continue from --work-dir's state")
@@ -1128,26 +770,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     data.add_argument("--holdout-every", type=int, default=20)
     data.add_argument("--vocab-size", type=int, default=4096)
-    shape = p.add_argument_group("shape")
-    shape.add_argument("--hidden-size", type=int, default=256)
-    shape.add_argument("--num-layers", type=int, default=8)
-    shape.add_argument("--num-heads", type=int, default=8)
-    shape.add_argument("--head-dim", type=int, default=64)
-    shape.add_argument("--rope-dim", type=int, default=32)
-    shape.add_argument("--q-lora-rank", type=int, default=128)
-    shape.add_argument("--o-groups", type=int, default=4)
-    shape.add_argument("--o-lora-rank", type=int, default=64)
-    shape.add_argument("--sliding-window", type=int, default=128)
-    shape.add_argument("--hca-rate", type=int, default=16)
-    shape.add_argument("--index-heads", type=int, default=16)
-    shape.add_argument("--index-head-dim", type=int, default=32)
-    shape.add_argument("--index-topk", type=int, default=32)
-    shape.add_argument("--num-experts", type=int, default=8)
-    shape.add_argument("--experts-per-token", type=int, default=2)
-    shape.add_argument("--moe-intermediate-size", type=int, default=128)
-    shape.add_argument("--num-hash-layers", type=int, default=2)
-    shape.add_argument("--hc-mult", type=int, default=4)
-    shape.add_argument("--max-positions", type=int, default=2048)
+    family.add_arguments(p)
     opt = p.add_argument_group("optimisation")
     opt.add_argument("--seq-len", type=int, default=256)
     opt.add_argument("--batch-size", type=int, default=8)
@@ -1161,12 +784,6 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--mtp-detach",
         action="store_true",
         help="no MTP gradient into the trunk (the MTP reads detached streams)",
-    )
-    opt.add_argument(
-        "--bias-update-rate",
-        type=float,
-        default=1e-3,
-        help="router balancing bias step per training step",
     )
     opt.add_argument(
         "--precision",
@@ -1192,11 +809,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     ev.add_argument("--spec-steps", type=int, default=3)
     args = p.parse_args(argv)
-    args.argv = list(sys.argv[1:] if argv is None else argv)
+    args.argv = argv
     return args
 
 
-def _training_summary(args, state: TrainState, model: TinyV4, corpus: Corpus) -> dict:
+def _training_summary(args, state: TrainState, model: nn.Module, corpus: Corpus) -> dict:
     output = Path(args.output_dir).resolve()
     shown = output.relative_to(REPO_ROOT) if output.is_relative_to(REPO_ROOT) else output
     return {
@@ -1218,6 +835,7 @@ def _training_summary(args, state: TrainState, model: TinyV4, corpus: Corpus) ->
         "mtp_detach": args.mtp_detach,
         "params": count_parameters(model),
         "corpus": corpus.info,
+        **FAMILIES[args.family].training_summary(args, model),
     }
 
 
@@ -1231,11 +849,12 @@ def main(argv=None) -> dict:
     work_dir.mkdir(parents=True, exist_ok=True)
     corpus = prepare_corpus(args, work_dir)
     print("corpus: " + json.dumps(corpus.info), flush=True)
-    config = model_config(args, corpus.tokenizer.get_vocab_size())
+    family = FAMILIES[args.family]
+    config = family.model_config(args, corpus.tokenizer.get_vocab_size(), TOKEN_IDS)
     state_path = work_dir / STATE_FILE
     if args.resume and state_path.exists():
         config = torch.load(state_path, weights_only=False)["config"]  # the shape trained so far
-    model = TinyV4(config, args.seed)
+    model = family.TinyModel(config, args.seed)
     model.detach_streams = args.mtp_detach
     print("parameters: " + json.dumps(count_parameters(model)), flush=True)
     held_windows = eval_windows(corpus.held_stream, max(1, args.eval_windows // 4), args.seq_len)
