@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Train a tiny model with one MTP (NextN) layer on CPU: the embedded default DeepSeek-V4.
+"""Train a tiny model with one MTP (NextN) layer on CPU: the embedded default DeepSeek-V4,
+or a Qwen4Exp (`--family qwen4_exp`).
 
 The corpus is the Python standard library of the running interpreter (offline everywhere),
 split by file into train and held-out parts. The script trains a byte-level BPE tokenizer,
@@ -16,6 +17,7 @@ runtime's measured NEXTN acceptance and speed.
     python scripts/train_tiny_model.py --max-minutes 60           # train, export, evaluate
     python scripts/train_tiny_model.py --resume --max-minutes 90  # continue from --work-dir
     python scripts/train_tiny_model.py --evaluate-only runtime/assets/deepseek_v4_tiny
+    python scripts/train_tiny_model.py --family qwen4_exp --output-dir /ckpt/qwen4_exp_tiny
 """
 
 from __future__ import annotations

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from tiny_training import deepseek_v4
+from tiny_training import deepseek_v4, qwen4_exp
 
-FAMILIES: dict[str, ModuleType] = {family.NAME: family for family in (deepseek_v4,)}
+FAMILIES: dict[str, ModuleType] = {family.NAME: family for family in (deepseek_v4, qwen4_exp)}
 
 
 def family_of_config(config: dict) -> ModuleType:

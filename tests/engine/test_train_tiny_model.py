@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """scripts/train_tiny_model.py, run for a few steps with a tiny shape on a slice of the
-stdlib: its checkpoint has the released key set, the runtime serves it (plain and NEXTN),
-transformers loads it, and the MTP it trains is exactly the runtime's draft."""
+stdlib, for each family (DeepSeek-V4, Qwen4Exp): its checkpoint has the released key set,
+the runtime serves it (plain and NEXTN), transformers loads it, and the MTP it trains is
+exactly the runtime's draft."""
 
 from __future__ import annotations
 
@@ -25,6 +26,15 @@ TINY_SHAPE = {
     "num-hash-layers": 1, "max-positions": 512, "seq-len": 64, "batch-size": 2,
     "warmup-steps": 2, "max-steps": 3, "max-minutes": 0, "seed": 3, "eval-windows": 4,
 }  # fmt: skip
+QWEN_TINY_SHAPE = {
+    "family": "qwen4_exp", "corpus-limit-files": 24, "vocab-size": 384, "hidden-size": 64,
+    "num-layers": 4, "num-heads": 4, "num-kv-heads": 2, "head-dim": 32, "linear-head-dim": 16,
+    "index-heads": 4, "index-head-dim": 16, "index-budget": 16, "num-experts": 4,
+    "moe-intermediate-size": 32, "shared-expert-intermediate-size": 32, "hc-lowrank": 8,
+    "ple-embed-dim": 64, "ngram-vocab-base": 512, "max-positions": 512, "seq-len": 64,
+    "batch-size": 2, "warmup-steps": 2, "max-steps": 3, "max-minutes": 0, "seed": 3,
+    "eval-windows": 4,
+}  # fmt: skip
 GREEDY = {"temperature": 0, "max_new_tokens": 12}
 PROMPT = "import os\n\n\ndef main(argv):\n"
 
@@ -43,13 +53,28 @@ def script():
     return load_script()
 
 
-@pytest.fixture(scope="module")
-def trained(script, tmp_path_factory):
-    root = tmp_path_factory.mktemp("tiny_train")
+def train_tiny(script, root: Path, shape: dict) -> Path:
     out = root / "model"
-    flags = {**TINY_SHAPE, "output-dir": out, "work-dir": root / "work"}
+    # one torch thread: main() sets the count for the whole test process (shared 2 cores)
+    flags = {**shape, "output-dir": out, "work-dir": root / "work", "threads": 1}
     script.main([*(f"--{k}={v}" for k, v in flags.items()), "--skip-runtime-eval"])
     return out
+
+
+@pytest.fixture(scope="module")
+def trained(script, tmp_path_factory):
+    return train_tiny(script, tmp_path_factory.mktemp("tiny_train"), TINY_SHAPE)
+
+
+@pytest.fixture(scope="module")
+def qwen_trained(script, tmp_path_factory):
+    return train_tiny(script, tmp_path_factory.mktemp("tiny_train_qwen"), QWEN_TINY_SHAPE)
+
+
+@pytest.fixture(params=["trained", "qwen_trained"])
+def any_trained(request):
+    """The checkpoint of each family, for what every family must do alike."""
+    return request.getfixturevalue(request.param)
 
 
 def test_checkpoint_directory(trained):
@@ -92,10 +117,10 @@ def test_released_key_set_matches_the_test_checkpoints(trained, tmp_path):
     assert ours["layers.0.ffn.gate.tid2eid"].dtype == torch.int64
 
 
-def test_tokenizer_loads_with_chat_template(trained):
+def test_tokenizer_loads_with_chat_template(any_trained):
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(str(trained))
+    tokenizer = AutoTokenizer.from_pretrained(str(any_trained))
     assert tokenizer(PROMPT)["input_ids"][0] == tokenizer.bos_token_id == 0
     assert tokenizer.eos_token_id == 1
     text = tokenizer.apply_chat_template(
@@ -104,12 +129,12 @@ def test_tokenizer_loads_with_chat_template(trained):
     assert text == "<|bos|><|user|>\nhi\n<|assistant|>\n"
 
 
-def test_engine_serves_it_plain_and_with_nextn(trained):
-    plain = Engine(model_path=str(trained), dtype="float32")
+def test_engine_serves_it_plain_and_with_nextn(any_trained):
+    plain = Engine(model_path=str(any_trained), dtype="float32")
     reference = plain.generate(PROMPT, GREEDY)
     assert len(reference["output_ids"]) > 0 and isinstance(reference["text"], str)
     nextn = Engine(
-        model_path=str(trained),
+        model_path=str(any_trained),
         dtype="float32",
         speculative_algorithm="NEXTN",
         speculative_num_steps=3,
@@ -119,8 +144,8 @@ def test_engine_serves_it_plain_and_with_nextn(trained):
     assert out["meta_info"]["spec_verify_ct"] > 0
 
 
-def test_transformers_loads_it_and_agrees_with_the_engine(script, trained):
-    parity = script.transformers_parity(trained, [PROMPT], new_tokens=8)
+def test_transformers_loads_it_and_agrees_with_the_engine(script, any_trained):
+    parity = script.transformers_parity(any_trained, [PROMPT], new_tokens=8)
     assert parity["equal"] == 1
 
 
@@ -180,3 +205,145 @@ def test_trained_mtp_is_the_runtime_draft(script, trained):
         torch.testing.assert_close(
             step.next_token_logits[0], mtp_logits[0, seq - 1], atol=1e-4, rtol=1e-4
         )
+
+
+# ---------------------------------------------------------------------------------------
+# Qwen4Exp
+
+
+def test_qwen_checkpoint_directory(qwen_trained):
+    from safetensors.torch import load_file
+
+    assert {"config.json", "model.safetensors", "tokenizer.json", "README.md"} <= {
+        p.name for p in qwen_trained.iterdir()
+    }
+    config = json.loads((qwen_trained / "config.json").read_text())
+    assert config["architectures"] == ["Qwen4ExpForCausalLM"]
+    assert config["mtp_num_hidden_layers"] == 1 and config["torch_dtype"] == "bfloat16"
+    assert set(config["layer_types"]) == {"linear_attention", "full_attention"}
+    assert config["ple_layer_ids"] == [2] and config["split_ngram_parts"] == 4
+    summary = json.loads((qwen_trained / "training.json").read_text())
+    assert summary["steps"] == 3 and summary["heldout"]["mtp"] > 0
+    assert "Qwen4Exp" in (qwen_trained / "README.md").read_text()
+    tensors = load_file(str(qwen_trained / "model.safetensors"))
+    assert tensors["mtp.fc_hidden.weight"].dtype == torch.bfloat16
+    assert tensors["model.layers.1.ple.ple_embedding.ngram_embedding.shard_3.weight"].ndim == 2
+    assert tensors["model.layers.1.ple.ple_embedding.layer_multipliers"].dtype == torch.int64
+
+
+def test_qwen_released_keys_load_without_gaps_or_leftovers(qwen_trained):
+    """The 31 released `mtp.*` names; the runtime's target and draft loaders each take every
+    tensor meant for them (none unexpected, none missing) and skip only the other's."""
+    from safetensors.torch import load_file
+
+    from runtime.configs.model_config import ModelConfig
+    from runtime.models.qwen4_exp import (
+        Qwen4ExpForCausalLM,
+        load_qwen4_exp_weights,
+        map_checkpoint_name,
+    )
+    from runtime.models.qwen4_exp_mtp import Qwen4ExpMTP
+    from tests.models.test_qwen4_exp_mtp import released_qwen_mtp_keys
+
+    tensors = load_file(str(qwen_trained / "model.safetensors"))
+    assert {n for n in tensors if n.startswith("mtp.")} == set(released_qwen_mtp_keys())
+    hf_config = ModelConfig.from_path(qwen_trained, "float32").hf_config
+    target, draft = Qwen4ExpForCausalLM(hf_config), Qwen4ExpMTP(hf_config)
+    loads = {
+        "target": load_qwen4_exp_weights(target, tensors.items(), map_checkpoint_name),
+        "draft": load_qwen4_exp_weights(
+            draft,
+            tensors.items(),
+            draft.map_name,
+            shared_params=("model.embed_tokens.weight", "lm_head.weight"),
+        ),
+    }
+    for tracker in loads.values():
+        assert tracker.unexpected == [] and tracker.missing() == {}
+    skipped = {n for n in tensors if map_checkpoint_name(n) is None}
+    hash_tables = ("layer_multipliers", "ngram_heads_vocab_sizes", "ngram_heads_offsets")
+    assert {n for n in skipped if not n.startswith("mtp.")} == {
+        f"model.layers.1.ple.ple_embedding.{table}" for table in hash_tables
+    }
+
+
+def test_qwen_trained_mtp_is_the_runtime_draft(script, qwen_trained):
+    """The training-form trunk and MTP (transformers modules, the vectorised QSA indexer)
+    and the runtime's paged target and draft give the same logits on the saved weights,
+    with QSA keeping every block (11 rows) and selecting among them (40 rows)."""
+    from runtime.cache import PagedTokenAllocator, ReqToTokenPool, SlotTable
+    from runtime.configs.model_config import ModelConfig
+    from runtime.execution.forward_mode import CaptureHiddenMode, ForwardMode
+    from runtime.execution.model_runner import ModelInput, ModelRunner
+    from runtime.models.qwen4_exp_mtp import Qwen4ExpMTP
+
+    model = script.load_checkpoint(qwen_trained).eval()
+    config = ModelConfig.from_path(qwen_trained, "float32")
+    tokens = torch.randint(
+        3, config.vocab_size, (1, 42), generator=torch.Generator().manual_seed(1)
+    )
+    with torch.no_grad():
+        trunk_logits, mtp_logits = model(tokens)
+    for seq in (40, 11):
+        table = SlotTable(ReqToTokenPool(4, 256), PagedTokenAllocator(64, 4))
+        target = ModelRunner(config, table, max_tokens_per_pass=4, progress=False)
+        draft = ModelRunner(
+            config, table, max_tokens_per_pass=4, model_cls=Qwen4ExpMTP, progress=False
+        )
+        draft.model.set_embed_and_head(*target.model.get_embed_and_head())
+        req = table.open_request()
+        table.reserve(req, seq + 2)
+        ids = tokens[0]
+        out = target.forward(
+            ModelInput(
+                ForwardMode.EXTEND,
+                ids[:seq],
+                [req],
+                [0],
+                [seq],
+                capture_hidden_mode=CaptureHiddenMode.FULL,
+            )
+        )
+        step = draft.forward(
+            ModelInput(
+                ForwardMode.DRAFT_EXTEND,
+                ids[1 : seq + 1],
+                [req],
+                [0],
+                [seq],
+                capture_hidden_mode=CaptureHiddenMode.LAST,
+                captured_hidden_states=out.hidden_states,
+            )
+        )
+        torch.testing.assert_close(
+            out.next_token_logits[0], trunk_logits[0, seq - 1], atol=1e-4, rtol=1e-4
+        )
+        torch.testing.assert_close(
+            step.next_token_logits[0], mtp_logits[0, seq - 1], atol=1e-4, rtol=1e-4
+        )
+
+
+def test_vectorised_qsa_indexer_selects_as_transformers_does(script):
+    """The training-form indexer (one pass over all queries) against transformers' own
+    (a Python loop over queries), with selection active (37 rows, budget 16)."""
+    from transformers.models.qwen4_exp.modeling_qwen4_exp import (
+        Qwen4ExpTextQSAIndexer,
+        Qwen4ExpTextRotaryEmbedding,
+    )
+
+    qwen = script.FAMILIES["qwen4_exp"]
+    args = script.parse_args([f"--{k}={v}" for k, v in QWEN_TINY_SHAPE.items()])
+    config = qwen.hf_config(qwen.model_config(args, 384, script.TOKEN_IDS))
+    torch.manual_seed(0)
+    indexer = Qwen4ExpTextQSAIndexer(config, layer_idx=3)
+    for param in indexer.parameters():
+        torch.nn.init.normal_(param, std=0.3)
+    hidden = torch.randn(2, 37, config.hidden_size)
+    positions = torch.arange(37).view(1, 1, -1).expand(-1, 2, -1)
+    rope = Qwen4ExpTextRotaryEmbedding(config)(hidden, positions)  # per batch row, as HF needs
+    mask = qwen.causal_mask(37, "cpu").expand(2, 1, 37, 37)
+    with torch.no_grad():
+        expected = indexer(hidden, rope, mask, None)
+        ours = qwen.causal_qsa_indexer_forward(indexer, hidden, rope, mask)
+    assert torch.equal(ours, expected)
+    assert not expected[:, 0, -1].all()  # the last rows kept only some blocks
