@@ -7,12 +7,12 @@
 #   bash scripts/run_benchmarks.sh [OUT_DIR]        # ~15 min on 2 CPU cores
 #
 # Every printed table and ratio goes to OUT_DIR/*.log, the JSONL records to OUT_DIR/*.jsonl.
-# Extra flags for every script can be given in BENCH_FLAGS (default: fp32, one thread).
+# Extra flags for every script can be given in BENCH_FLAGS (default: fp32, one thread, no progress bars).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 out=${1:-bench_results}
-flags=${BENCH_FLAGS:---dtype float32 --threads 1}
+flags=${BENCH_FLAGS:---dtype float32 --threads 1 --disable-tqdm}
 mkdir -p "$out"
 
 python scripts/make_code_prompts.py --num-prompts 64 --prompt-chars 1200 -o "$out/prompts.jsonl"

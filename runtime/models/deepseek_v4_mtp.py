@@ -207,6 +207,15 @@ class DeepseekV4ForCausalLMNextN(SharesTargetEmbedHead, nn.Module):
             layer.logits_hidden(streams), self.lm_head, ctx, aux_hidden=streams.flatten(1)
         )
 
+    @property
+    def kv_reach(self) -> int | None:
+        """How far back a draft row's attention reads: the window when every MTP layer is
+        window-only (a row's KV depends on that row alone, so the drafter may skip prompt rows
+        older than this), None when a layer compresses (its entries need every row)."""
+        if any(self.cache_layout(self.config).compress_ratios):
+            return None
+        return self.config.sliding_window
+
     # caches -------------------------------------------------------------------------------
     @classmethod
     def cache_layout(cls, config) -> DeepseekV4CacheLayout:

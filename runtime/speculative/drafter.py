@@ -11,6 +11,7 @@ sampling parameters (the acceptance rule keeps sampling exact).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import torch
@@ -22,6 +23,16 @@ from runtime.execution.model_runner import ModelInput, ModelRunner
 class MTPDrafter:
     def __init__(self, draft: ModelRunner, num_steps: int):
         self.runner, self.num_steps = draft, num_steps
+
+    def _rows_to_skip(self, extend_lens: list[int], gather_rows: list[int]) -> list[int]:
+        """Leading rows of each request the draft extend need not run: with a window-only
+        draft (`kv_reach`), a row's KV depends on that row alone and later rows never read
+        keys older than the window, so a long prompt only needs its last `reach` rows (and
+        the gather row's window)."""
+        reach = getattr(self.runner.model, "kv_reach", None)
+        if reach is None:
+            return [0] * len(extend_lens)
+        return [max(0, min(n - reach, g - reach + 1)) for n, g in zip(extend_lens, gather_rows)]
 
     def draft(
         self,
@@ -39,8 +50,23 @@ class MTPDrafter:
         the newest committed token). Returns `num_steps` draft tokens per request, or None
         where `propose[b]` is False (a prefill chunk that only fills the draft's cache)."""
         propose = [True] * len(reqs) if propose is None else list(propose)
+        prefix_lens, extend_lens, gather_rows = (
+            list(prefix_lens),
+            list(extend_lens),
+            list(gather_rows),
+        )
+        skip = self._rows_to_skip(extend_lens, gather_rows)
+        if any(skip):
+            starts = [0, *itertools.accumulate(extend_lens)][:-1]
+            kept = torch.cat(
+                [torch.arange(s + k, s + n) for s, k, n in zip(starts, skip, extend_lens)]
+            )
+            next_tokens, target_hidden = next_tokens[kept], target_hidden[kept]
+            prefix_lens = [p + k for p, k in zip(prefix_lens, skip)]
+            extend_lens = [n - k for n, k in zip(extend_lens, skip)]
+            gather_rows = [g - k for g, k in zip(gather_rows, skip)]
         starts = torch.tensor(extend_lens).cumsum(0) - torch.tensor(extend_lens)
-        rows = (starts + torch.tensor(list(gather_rows))).tolist()
+        rows = (starts + torch.tensor(gather_rows)).tolist()
         out = self.runner.forward(
             ModelInput(
                 ForwardMode.DRAFT_EXTEND,

@@ -190,3 +190,38 @@ def test_draft_token_count_mismatch_is_corrected(mtp_ckpt, caplog):
     engine = nextn_engine(mtp_ckpt, steps=2, speculative_num_draft_tokens=7)
     assert engine.spec_config.num_draft_tokens == 3
     assert "using 3 (steps + 1)" in caplog.text
+
+
+def test_draft_extend_runs_only_the_window_of_a_long_prompt(mtp_ckpt, monkeypatch):
+    """The tiny draft is window-only: its extend over a prompt keeps the last `window` rows
+    per request, and proposes exactly what a draft extend over every row proposes."""
+
+    def run(skip_rows: bool):
+        engine = Engine(model_path=mtp_ckpt, dtype="float32", speculative_algorithm="NEXTN")
+        drafter = engine.worker.drafter
+        window = drafter.runner.model.kv_reach
+        if not skip_rows:
+            monkeypatch.setattr(drafter, "_rows_to_skip", lambda lens, rows: [0] * len(lens))
+        extend_rows, proposals = [], []
+        forward, draft = drafter.runner.forward, drafter.draft
+
+        def recording_forward(inp):
+            if inp.forward_mode.name == "DRAFT_EXTEND":
+                extend_rows.append(list(inp.extend_lens))
+            return forward(inp)
+
+        def recording_draft(*args, **kwargs):
+            out = draft(*args, **kwargs)
+            proposals.append(out)
+            return out
+
+        monkeypatch.setattr(drafter.runner, "forward", recording_forward)
+        monkeypatch.setattr(drafter, "draft", recording_draft)
+        prompts = make_prompts(3, seed=11, low=3 * window, high=4 * window)
+        outs = engine.generate(input_ids=prompts, sampling_params={**GREEDY, "max_new_tokens": 12})
+        return window, extend_rows, proposals, [o["output_ids"] for o in outs]
+
+    window, trimmed_rows, trimmed, trimmed_out = run(skip_rows=True)
+    _, full_rows, full, full_out = run(skip_rows=False)
+    assert max(full_rows[0]) > 3 * window - 1 >= window == max(trimmed_rows[0])
+    assert trimmed == full and trimmed_out == full_out
