@@ -149,30 +149,25 @@ def test_transformers_loads_it_and_agrees_with_the_engine(script, any_trained):
     assert parity["equal"] == 1
 
 
-def test_trained_mtp_is_the_runtime_draft(script, trained):
-    """The training-form MTP (transformers block + h/e projections) and the runtime's paged
-    draft give the same logits on the saved weights, as do the two trunks."""
+def assert_runtime_equals_training_form(script, checkpoint: Path, draft_cls, seqs) -> None:
+    """The training-form trunk and MTP on the saved weights against the runtime's paged
+    target and draft: the last-row logits of a prompt of each length in `seqs`."""
     from runtime.cache import PagedTokenAllocator, ReqToTokenPool, SlotTable
     from runtime.configs.model_config import ModelConfig
     from runtime.execution.forward_mode import CaptureHiddenMode, ForwardMode
     from runtime.execution.model_runner import ModelInput, ModelRunner
-    from runtime.models.deepseek_v4_mtp import DeepseekV4ForCausalLMNextN
 
-    model = script.load_checkpoint(trained).eval()
-    config = ModelConfig.from_path(trained, "float32")
+    model = script.load_checkpoint(checkpoint).eval()
+    config = ModelConfig.from_path(checkpoint, "float32")
     generator = torch.Generator().manual_seed(1)
     tokens = torch.randint(3, config.vocab_size, (1, 42), generator=generator)
     with torch.no_grad():
         trunk_logits, mtp_logits = model(tokens)
-    for seq in (40, 23):  # last rows past CSA (top-k active) and HCA boundaries
+    for seq in seqs:
         table = SlotTable(ReqToTokenPool(4, 256), PagedTokenAllocator(64, 4))
         target = ModelRunner(config, table, max_tokens_per_pass=4, progress=False)
         draft = ModelRunner(
-            config,
-            table,
-            max_tokens_per_pass=4,
-            model_cls=DeepseekV4ForCausalLMNextN,
-            progress=False,
+            config, table, max_tokens_per_pass=4, model_cls=draft_cls, progress=False
         )
         draft.model.set_embed_and_head(*target.model.get_embed_and_head())
         req = table.open_request()
@@ -205,6 +200,15 @@ def test_trained_mtp_is_the_runtime_draft(script, trained):
         torch.testing.assert_close(
             step.next_token_logits[0], mtp_logits[0, seq - 1], atol=1e-4, rtol=1e-4
         )
+
+
+def test_trained_mtp_is_the_runtime_draft(script, trained):
+    """The training-form MTP (transformers block + h/e projections) and the runtime's paged
+    draft give the same logits on the saved weights, as do the two trunks; the last rows
+    lie past the CSA (top-k active) and HCA boundaries."""
+    from runtime.models.deepseek_v4_mtp import DeepseekV4ForCausalLMNextN
+
+    assert_runtime_equals_training_form(script, trained, DeepseekV4ForCausalLMNextN, (40, 23))
 
 
 # ---------------------------------------------------------------------------------------
@@ -271,56 +275,9 @@ def test_qwen_trained_mtp_is_the_runtime_draft(script, qwen_trained):
     """The training-form trunk and MTP (transformers modules, the vectorised QSA indexer)
     and the runtime's paged target and draft give the same logits on the saved weights,
     with QSA keeping every block (11 rows) and selecting among them (40 rows)."""
-    from runtime.cache import PagedTokenAllocator, ReqToTokenPool, SlotTable
-    from runtime.configs.model_config import ModelConfig
-    from runtime.execution.forward_mode import CaptureHiddenMode, ForwardMode
-    from runtime.execution.model_runner import ModelInput, ModelRunner
     from runtime.models.qwen4_exp_mtp import Qwen4ExpMTP
 
-    model = script.load_checkpoint(qwen_trained).eval()
-    config = ModelConfig.from_path(qwen_trained, "float32")
-    tokens = torch.randint(
-        3, config.vocab_size, (1, 42), generator=torch.Generator().manual_seed(1)
-    )
-    with torch.no_grad():
-        trunk_logits, mtp_logits = model(tokens)
-    for seq in (40, 11):
-        table = SlotTable(ReqToTokenPool(4, 256), PagedTokenAllocator(64, 4))
-        target = ModelRunner(config, table, max_tokens_per_pass=4, progress=False)
-        draft = ModelRunner(
-            config, table, max_tokens_per_pass=4, model_cls=Qwen4ExpMTP, progress=False
-        )
-        draft.model.set_embed_and_head(*target.model.get_embed_and_head())
-        req = table.open_request()
-        table.reserve(req, seq + 2)
-        ids = tokens[0]
-        out = target.forward(
-            ModelInput(
-                ForwardMode.EXTEND,
-                ids[:seq],
-                [req],
-                [0],
-                [seq],
-                capture_hidden_mode=CaptureHiddenMode.FULL,
-            )
-        )
-        step = draft.forward(
-            ModelInput(
-                ForwardMode.DRAFT_EXTEND,
-                ids[1 : seq + 1],
-                [req],
-                [0],
-                [seq],
-                capture_hidden_mode=CaptureHiddenMode.LAST,
-                captured_hidden_states=out.hidden_states,
-            )
-        )
-        torch.testing.assert_close(
-            out.next_token_logits[0], trunk_logits[0, seq - 1], atol=1e-4, rtol=1e-4
-        )
-        torch.testing.assert_close(
-            step.next_token_logits[0], mtp_logits[0, seq - 1], atol=1e-4, rtol=1e-4
-        )
+    assert_runtime_equals_training_form(script, qwen_trained, Qwen4ExpMTP, (40, 11))
 
 
 def test_vectorised_qsa_indexer_selects_as_transformers_does(script):
