@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
+from runtime.cache.pool_geometry import PoolGeometry
+
 
 @dataclass(frozen=True)
 class DeepseekV4CacheLayout:
@@ -45,22 +47,12 @@ def compressor_overlap(ratio: int) -> int:
 
 
 class DeepseekV4KVPool:
-    def __init__(
-        self,
-        layout: DeepseekV4CacheLayout,
-        max_reqs: int,
-        num_pages: int,
-        page_size: int,
-        max_tokens_per_pass: int,
-        dtype: torch.dtype,
-        device: torch.device | str = "cpu",
-    ):
-        """`max_tokens_per_pass`: the most positions one request writes in a single
-        verify/draft forward that may later be rejected (speculative draft tokens + 1)."""
-        self.layout, self.max_reqs, self.page_size = layout, max_reqs, page_size
-        self.num_pages, self.dtype, self.device = num_pages, dtype, device
-        self.swa_ring = layout.sliding_window + max_tokens_per_pass
-        self._max_pass = max_tokens_per_pass
+    def __init__(self, layout: DeepseekV4CacheLayout, geometry: PoolGeometry):
+        max_reqs, dtype, device = geometry.max_reqs, geometry.dtype, geometry.device
+        self.layout, self.max_reqs, self.page_size = layout, max_reqs, geometry.page_size
+        self.num_pages, self.dtype, self.device = geometry.num_pages, dtype, device
+        self.swa_ring = layout.sliding_window + geometry.max_tokens_per_pass
+        self._max_pass = geometry.max_tokens_per_pass
         self.swa_kv = [
             torch.zeros((max_reqs * self.swa_ring, layout.head_dim), dtype=dtype, device=device)
             for _ in layout.compress_ratios

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from runtime.cache.pool_geometry import PoolGeometry
+
 
 @dataclass(frozen=True)
 class Qwen4ExpCacheLayout:
@@ -41,18 +43,14 @@ class Qwen4ExpKVPool:
     def __init__(
         self,
         layout: Qwen4ExpCacheLayout,
-        max_reqs: int,
-        num_pages: int,
-        page_size: int,
-        max_tokens_per_pass: int,
-        dtype: torch.dtype,
-        device="cpu",
+        geometry: PoolGeometry,
         reuses_qsa_selection: bool = False,
-        max_context: int = 0,
     ):
+        max_reqs, dtype, device = geometry.max_reqs, geometry.dtype, geometry.device
+        max_tokens_per_pass = geometry.max_tokens_per_pass
         self.layout, self.dtype, self.device, self.max_reqs = layout, dtype, device, max_reqs
         self.reuses_qsa_selection = reuses_qsa_selection
-        slots = num_pages * page_size
+        slots = geometry.num_pages * geometry.page_size
         self.conv_ring = layout.conv_kernel - 1 + max_tokens_per_pass
         self.token_ring = layout.ngram_size - 1 + max_tokens_per_pass
         self.ple_conv_ring = layout.ple_conv_span + max_tokens_per_pass
@@ -81,7 +79,7 @@ class Qwen4ExpKVPool:
         self.ple_conv = {
             i: zeros(max_reqs * self.ple_conv_ring, layout.hc_width) for i in layout.ple_layers
         }
-        max_blocks = max(1, max_context // max(layout.qsa_ratio, 1))
+        max_blocks = max(1, geometry.max_context // max(layout.qsa_ratio, 1))
         self.qsa_blocks = (
             {i: zeros(max_reqs, max_blocks, dt=torch.bool) for i in self.k_cache}
             if reuses_qsa_selection

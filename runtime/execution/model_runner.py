@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from runtime.cache.pool_geometry import PoolGeometry
 from runtime.cache.slot_table import SlotTable
 from runtime.configs.model_config import ModelConfig
 from runtime.distributed import Mapping
@@ -55,8 +56,7 @@ class ModelRunner:
         self.model = load_model(
             model_config, mapping or Mapping.single(), model_cls, progress=progress
         )
-        self.kv_pool = self.model.create_cache_pool(
-            model_config.hf_config,
+        geometry = PoolGeometry(
             max_reqs=slot_table.req_pool.max_reqs,
             num_pages=slot_table.allocator.num_pages,
             page_size=slot_table.page_size,
@@ -65,6 +65,7 @@ class ModelRunner:
             device=device,
             max_context=slot_table.req_pool.max_context_len,
         )
+        self.kv_pool = self.model.create_cache_pool(model_config.hf_config, geometry)
         logger.info("%s", self.kv_pool.describe())
 
     def build_context(self, inp: ModelInput) -> ForwardContext:

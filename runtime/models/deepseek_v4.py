@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from runtime.cache.deepseek_v4_pool import DeepseekV4CacheLayout, DeepseekV4KVPool
+from runtime.cache.pool_geometry import PoolGeometry
 from runtime.distributed import Mapping
 from runtime.execution.forward_context import ForwardContext
 from runtime.layers.attention.deepseek_v4 import DeepseekV4Attention, RopeInputs
@@ -393,26 +394,8 @@ class DeepseekV4ForCausalLM(nn.Module):
         )
 
     @classmethod
-    def create_cache_pool(
-        cls,
-        config,
-        max_reqs: int,
-        num_pages: int,
-        page_size: int,
-        max_tokens_per_pass: int,
-        dtype: torch.dtype,
-        device="cpu",
-        max_context: int = 0,
-    ) -> DeepseekV4KVPool:
-        return DeepseekV4KVPool(
-            cls.cache_layout(config),
-            max_reqs,
-            num_pages,
-            page_size,
-            max_tokens_per_pass,
-            dtype,
-            device,
-        )
+    def create_cache_pool(cls, config, geometry: PoolGeometry) -> DeepseekV4KVPool:
+        return DeepseekV4KVPool(cls.cache_layout(config), geometry)
 
     # weights ------------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

@@ -19,6 +19,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from runtime.cache.pool_geometry import PoolGeometry
 from runtime.cache.qwen4_exp_pool import Qwen4ExpCacheLayout, Qwen4ExpKVPool
 from runtime.distributed import Mapping
 from runtime.execution.forward_context import ForwardContext
@@ -361,27 +362,8 @@ class Qwen4ExpForCausalLM(nn.Module):
         )
 
     @classmethod
-    def create_cache_pool(
-        cls,
-        config,
-        max_reqs: int,
-        num_pages: int,
-        page_size: int,
-        max_tokens_per_pass: int,
-        dtype: torch.dtype,
-        device="cpu",
-        max_context: int = 0,
-    ) -> Qwen4ExpKVPool:
-        return Qwen4ExpKVPool(
-            cls.cache_layout(config),
-            max_reqs,
-            num_pages,
-            page_size,
-            max_tokens_per_pass,
-            dtype,
-            device,
-            max_context=max_context,
-        )
+    def create_cache_pool(cls, config, geometry: PoolGeometry) -> Qwen4ExpKVPool:
+        return Qwen4ExpKVPool(cls.cache_layout(config), geometry)
 
     # weights ------------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

@@ -22,6 +22,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from runtime.cache.pool_geometry import PoolGeometry
 from runtime.cache.qwen4_exp_pool import Qwen4ExpKVPool
 from runtime.distributed import Mapping
 from runtime.execution.forward_context import ForwardContext
@@ -160,31 +161,11 @@ class Qwen4ExpMTP(SharesTargetEmbedHead, nn.Module):
 
     # caches -------------------------------------------------------------------------------
     @classmethod
-    def create_cache_pool(
-        cls,
-        config,
-        max_reqs: int,
-        num_pages: int,
-        page_size: int,
-        max_tokens_per_pass: int,
-        dtype: torch.dtype,
-        device="cpu",
-        max_context: int = 0,
-    ) -> Qwen4ExpKVPool:
+    def create_cache_pool(cls, config, geometry: PoolGeometry) -> Qwen4ExpKVPool:
         layout = Qwen4ExpForCausalLM.cache_layout(
             config, kinds=("attention",) * num_mtp_layers(config), ple_layers=()
         )
-        return Qwen4ExpKVPool(
-            layout,
-            max_reqs,
-            num_pages,
-            page_size,
-            max_tokens_per_pass,
-            dtype,
-            device,
-            reuses_qsa_selection=True,
-            max_context=max_context,
-        )
+        return Qwen4ExpKVPool(layout, geometry, reuses_qsa_selection=True)
 
     # weights ------------------------------------------------------------------------------
     @staticmethod

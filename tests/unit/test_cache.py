@@ -10,6 +10,7 @@ import torch
 
 from runtime.cache import PagedTokenAllocator, ReqToTokenPool, SlotTable
 from runtime.cache.deepseek_v4_pool import DeepseekV4CacheLayout, DeepseekV4KVPool
+from runtime.cache.pool_geometry import PoolGeometry
 
 
 def table(max_reqs=4, pages=10, page_size=4, context=64):
@@ -57,14 +58,10 @@ def test_request_slots_run_out_cleanly():
 def test_compressed_rows_are_unique_per_block_and_fit_the_pool(page_size):
     layout = DeepseekV4CacheLayout((0, 4, 16), head_dim=8, index_head_dim=4, sliding_window=8)
     pages = -(-64 // page_size) * 3
-    pool = DeepseekV4KVPool(
-        layout,
-        max_reqs=3,
-        num_pages=pages,
-        page_size=page_size,
-        max_tokens_per_pass=4,
-        dtype=torch.float32,
+    geometry = PoolGeometry(
+        max_reqs=3, num_pages=pages, page_size=page_size, max_tokens_per_pass=4, dtype=torch.float32
     )
+    pool = DeepseekV4KVPool(layout, geometry)
     t = SlotTable(ReqToTokenPool(3, 64), PagedTokenAllocator(pages, page_size))
     reqs = [t.open_request() for _ in range(3)]
     for r in reqs:
@@ -80,9 +77,10 @@ def test_compressed_rows_are_unique_per_block_and_fit_the_pool(page_size):
 
 def test_rings_hold_window_plus_one_pass_without_collisions():
     layout = DeepseekV4CacheLayout((0, 4), head_dim=8, index_head_dim=4, sliding_window=8)
-    pool = DeepseekV4KVPool(
-        layout, max_reqs=2, num_pages=8, page_size=4, max_tokens_per_pass=4, dtype=torch.float32
+    geometry = PoolGeometry(
+        max_reqs=2, num_pages=8, page_size=4, max_tokens_per_pass=4, dtype=torch.float32
     )
+    pool = DeepseekV4KVPool(layout, geometry)
     assert pool.swa_ring == 12 and pool.state_ring(4) == 12
     req = torch.tensor([1])
     for last in range(40):

@@ -1,0 +1,21 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The sizes every per-model cache pool is built from, fixed at start-up."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class PoolGeometry:
+    max_reqs: int  # request slots
+    num_pages: int  # token pages of `page_size` slots
+    page_size: int
+    # the most positions one request writes in a single verify/draft pass that may later be
+    # rejected (speculative draft tokens + 1); position-keyed rings are this much longer
+    max_tokens_per_pass: int
+    dtype: torch.dtype
+    device: torch.device | str = "cpu"
+    max_context: int = 0  # longest request, for per-request tables sized by context
