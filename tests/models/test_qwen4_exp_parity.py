@@ -109,3 +109,34 @@ def test_silu_output_gate(tmp_path):
         )
     )
     torch.testing.assert_close(out.next_token_logits, hf_logits(hf, ids), atol=ATOL, rtol=0)
+
+
+def test_qsa_ties_break_as_transformers_does(tmp_path):
+    """An indexer whose queries are zero scores every block exactly 0, so the whole selection
+    is decided by how top-k breaks ties (relu makes such ties common in trained models)."""
+    from tests.tiny_checkpoints import (
+        make_hf_qwen4_exp_model,
+        save_released_checkpoint,
+        tiny_qwen4_exp_config,
+    )
+
+    config = tiny_qwen4_exp_config()
+    hf = make_hf_qwen4_exp_model(config, seed=6)
+    query_rows = config["indexer_n_heads"] * config["indexer_head_dim"]
+    with torch.no_grad():
+        for layer in hf.model.layers:
+            indexer = getattr(getattr(layer, "self_attn", None), "indexer", None)
+            if indexer is not None:
+                indexer.index_qk_proj.weight[:query_rows] = 0
+    state = {k: v.clone().contiguous() for k, v in hf.state_dict().items()}
+    path = save_released_checkpoint(tmp_path / "ties", config, state)
+    runner, table = make_runner(path)
+    ids = token_ids(45, seed=7)
+    req = table.open_request()
+    table.reserve(req, len(ids))
+    out = runner.forward(
+        ModelInput(
+            ForwardMode.EXTEND, ids, [req], [0], [len(ids)], logits_row_indices=all_rows(len(ids))
+        )
+    )
+    torch.testing.assert_close(out.next_token_logits, hf_logits(hf, ids), atol=ATOL, rtol=0)

@@ -135,11 +135,29 @@ class QSAIndexer(nn.Module):
         block_cos, block_sin = self.rope.cos_sin(keys.block_start)
         block_keys = self.rope.apply(pooled, block_cos, block_sin)
         scores = torch.relu(torch.einsum("thd,bd->thb", q.float(), block_keys.float())).sum(1)
-        scores = (scores / self.head_dim**0.5).masked_fill(~keys.block_visible, float("-inf"))
-        # stable: ties go to the older block, whatever else shares the batch
-        order = scores.sort(dim=-1, descending=True, stable=True).indices[:, : self.block_topk]
-        selected = torch.zeros_like(keys.block_visible).scatter_(1, order, True)
-        return selected & keys.block_visible
+        return top_blocks_per_row(scores / self.head_dim**0.5, keys, self.block_topk)
+
+
+def top_blocks_per_row(scores: torch.Tensor, keys: VisibleKeys, k: int) -> torch.Tensor:
+    """The `k` best visible blocks of each row as a mask `[T, B]` (all of them for rows that
+    see at most `k`).
+
+    Relu zeroes whole scores, so exact ties are common and decide the selection. The
+    reference (HF) calls `topk` on each row's visible blocks alone; rows that see the same
+    number of blocks go through one `topk` over exactly those blocks here, so ties break as
+    they do there, and a row's choice never depends on what else shares the batch (which
+    speculative verify, batched differently from plain decode, relies on).
+    """
+    selected = keys.block_visible.clone()
+    num_blocks = keys.num_blocks
+    first = keys.block_visible.int().argmax(dim=1)  # a row's visible blocks are contiguous
+    for count in torch.unique(num_blocks[num_blocks > k]).tolist():
+        rows = (num_blocks == count).nonzero().squeeze(1)
+        cols = first[rows].unsqueeze(1) + torch.arange(count, device=scores.device)
+        best = cols.gather(1, scores[rows].gather(1, cols).topk(k, dim=1).indices)
+        selected[rows] = False
+        selected[rows.unsqueeze(1), best] = True
+    return selected
 
 
 class QSAAttention(nn.Module):
