@@ -33,6 +33,19 @@ def hf_logits(hf_model, ids: torch.Tensor) -> torch.Tensor:
         return hf_model(ids.unsqueeze(0)).logits[0]
 
 
+def assert_prefill_matches_transformers(path, hf, ids: torch.Tensor, page_size=1) -> None:
+    """One request's whole-prompt forward: logits of every row equal transformers'."""
+    runner, table = make_runner(path, page_size)
+    req = table.open_request()
+    table.reserve(req, len(ids))
+    out = runner.forward(
+        ModelInput(
+            ForwardMode.EXTEND, ids, [req], [0], [len(ids)], logits_row_indices=all_rows(len(ids))
+        )
+    )
+    torch.testing.assert_close(out.next_token_logits, hf_logits(hf, ids), atol=ATOL, rtol=0)
+
+
 def random_ids(n, seed, vocab=97):
     return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed))
 
@@ -45,16 +58,7 @@ def all_rows(n):
 @pytest.mark.parametrize("page_size", [1, 6])
 def test_prefill_logits_match_transformers(request, fixture, page_size):
     path, hf = request.getfixturevalue(fixture)
-    runner, table = make_runner(path, page_size)
-    ids = random_ids(70, seed=1)
-    req = table.open_request()
-    table.reserve(req, len(ids))
-    out = runner.forward(
-        ModelInput(
-            ForwardMode.EXTEND, ids, [req], [0], [len(ids)], logits_row_indices=all_rows(len(ids))
-        )
-    )
-    torch.testing.assert_close(out.next_token_logits, hf_logits(hf, ids), atol=ATOL, rtol=0)
+    assert_prefill_matches_transformers(path, hf, random_ids(70, seed=1), page_size)
 
 
 @pytest.mark.parametrize("page_size", [1, 4])
@@ -155,16 +159,7 @@ def test_hidden_capture_is_the_pre_head_streams(tiny_v4):
 def test_loads_transformers_save_pretrained_naming(tiny_v4, tmp_path):
     path, hf = tiny_v4
     hf.save_pretrained(tmp_path)
-    runner, table = make_runner(tmp_path)
-    ids = random_ids(30, seed=5)
-    req = table.open_request()
-    table.reserve(req, len(ids))
-    out = runner.forward(
-        ModelInput(
-            ForwardMode.EXTEND, ids, [req], [0], [len(ids)], logits_row_indices=all_rows(len(ids))
-        )
-    )
-    torch.testing.assert_close(out.next_token_logits, hf_logits(hf, ids), atol=ATOL, rtol=0)
+    assert_prefill_matches_transformers(tmp_path, hf, random_ids(30, seed=5))
 
 
 def test_loads_raw_state_dict_module_names(tiny_v4, tmp_path):
@@ -176,16 +171,7 @@ def test_loads_raw_state_dict_module_names(tiny_v4, tmp_path):
     save_file(
         {k: v.contiguous() for k, v in hf.state_dict().items()}, str(tmp_path / "model.safetensors")
     )
-    runner, table = make_runner(tmp_path)
-    ids = random_ids(25, seed=6)
-    req = table.open_request()
-    table.reserve(req, len(ids))
-    out = runner.forward(
-        ModelInput(
-            ForwardMode.EXTEND, ids, [req], [0], [len(ids)], logits_row_indices=all_rows(len(ids))
-        )
-    )
-    torch.testing.assert_close(out.next_token_logits, hf_logits(hf, ids), atol=ATOL, rtol=0)
+    assert_prefill_matches_transformers(tmp_path, hf, random_ids(25, seed=6))
 
 
 def test_indexer_ties_break_the_same_way_in_any_batch(tmp_path):

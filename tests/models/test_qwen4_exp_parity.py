@@ -14,7 +14,13 @@ import torch
 
 from runtime.execution.forward_mode import ForwardMode
 from runtime.execution.model_runner import ModelInput
-from tests.models.test_deepseek_v4_parity import ATOL, all_rows, hf_logits, make_runner
+from tests.models.test_deepseek_v4_parity import (
+    ATOL,
+    all_rows,
+    assert_prefill_matches_transformers,
+    hf_logits,
+    make_runner,
+)
 from tests.tiny_checkpoints import build_tiny_qwen4_exp_checkpoint
 
 VOCAB = 128
@@ -38,16 +44,7 @@ def qwen(request, tmp_path_factory):
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_prefill_matches_transformers(qwen, page_size):
     path, hf = qwen
-    runner, table = make_runner(path, page_size)
-    ids = token_ids(45, seed=1, eos_every=13)
-    req = table.open_request()
-    table.reserve(req, len(ids))
-    out = runner.forward(
-        ModelInput(
-            ForwardMode.EXTEND, ids, [req], [0], [len(ids)], logits_row_indices=all_rows(len(ids))
-        )
-    )
-    torch.testing.assert_close(out.next_token_logits, hf_logits(hf, ids), atol=ATOL, rtol=0)
+    assert_prefill_matches_transformers(path, hf, token_ids(45, seed=1, eos_every=13), page_size)
 
 
 def test_decode_step_by_step_matches_full_sequence(qwen):
@@ -99,16 +96,7 @@ def test_ragged_batch_and_chunked_prefill(qwen):
 
 def test_silu_output_gate(tmp_path):
     path, hf = build_tiny_qwen4_exp_checkpoint(tmp_path / "silu", seed=4, output_gate_type="silu")
-    runner, table = make_runner(path)
-    ids = token_ids(25, seed=5)
-    req = table.open_request()
-    table.reserve(req, len(ids))
-    out = runner.forward(
-        ModelInput(
-            ForwardMode.EXTEND, ids, [req], [0], [len(ids)], logits_row_indices=all_rows(len(ids))
-        )
-    )
-    torch.testing.assert_close(out.next_token_logits, hf_logits(hf, ids), atol=ATOL, rtol=0)
+    assert_prefill_matches_transformers(path, hf, token_ids(25, seed=5))
 
 
 def test_qsa_ties_break_as_transformers_does(tmp_path):
@@ -130,13 +118,4 @@ def test_qsa_ties_break_as_transformers_does(tmp_path):
                 indexer.index_qk_proj.weight[:query_rows] = 0
     state = {k: v.clone().contiguous() for k, v in hf.state_dict().items()}
     path = save_released_checkpoint(tmp_path / "ties", config, state)
-    runner, table = make_runner(path)
-    ids = token_ids(45, seed=7)
-    req = table.open_request()
-    table.reserve(req, len(ids))
-    out = runner.forward(
-        ModelInput(
-            ForwardMode.EXTEND, ids, [req], [0], [len(ids)], logits_row_indices=all_rows(len(ids))
-        )
-    )
-    torch.testing.assert_close(out.next_token_logits, hf_logits(hf, ids), atol=ATOL, rtol=0)
+    assert_prefill_matches_transformers(path, hf, token_ids(45, seed=7))
