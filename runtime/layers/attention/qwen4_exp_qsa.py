@@ -142,17 +142,27 @@ def top_blocks_per_row(scores: torch.Tensor, keys: VisibleKeys, k: int) -> torch
     """The `k` best visible blocks of each row as a mask `[T, B]` (all of them for rows that
     see at most `k`).
 
-    Relu zeroes whole scores, so exact ties are common and decide the selection. The
-    reference (HF) calls `topk` on each row's visible blocks alone; rows that see the same
-    number of blocks go through one `topk` over exactly those blocks here, so ties break as
-    they do there, and a row's choice never depends on what else shares the batch (which
-    speculative verify, batched differently from plain decode, relies on).
+    Relu zeroes whole scores, so exact ties are common. Where no tie straddles the k-th place
+    the set is the same under any tie rule: every block scoring at least the k-th score. Where
+    one does, the reference (HF) has `topk` on that row's visible blocks alone decide; such rows
+    are grouped by how many blocks they see and each group goes through one `topk` over exactly
+    those blocks, so ties break as they do there, and a row's choice never depends on what else
+    shares the batch (which speculative verify, batched differently from plain decode, relies on).
     """
     selected = keys.block_visible.clone()
     num_blocks = keys.num_blocks
+    over = num_blocks > k
+    if not bool(over.any()):
+        return selected
+    visible = scores.masked_fill(~keys.block_visible, float("-inf"))
+    kth, next_best = visible.topk(k + 1, dim=1).values.unbind(1)[k - 1 :]
+    selected[over] &= visible[over] >= kth[over].unsqueeze(1)
+    tied = over & (kth == next_best)
+    if not bool(tied.any()):
+        return selected
     first = keys.block_visible.int().argmax(dim=1)  # a row's visible blocks are contiguous
-    for count in torch.unique(num_blocks[num_blocks > k]).tolist():
-        rows = (num_blocks == count).nonzero().squeeze(1)
+    for count in torch.unique(num_blocks[tied]).tolist():
+        rows = (tied & (num_blocks == count)).nonzero().squeeze(1)
         cols = first[rows].unsqueeze(1) + torch.arange(count, device=scores.device)
         best = cols.gather(1, scores[rows].gather(1, cols).topk(k, dim=1).indices)
         selected[rows] = False
