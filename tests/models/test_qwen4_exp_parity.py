@@ -21,7 +21,12 @@ from tests.models.test_deepseek_v4_parity import (
     hf_logits,
     make_runner,
 )
-from tests.tiny_checkpoints import build_tiny_qwen4_exp_checkpoint
+from tests.tiny_checkpoints import (
+    build_tiny_qwen4_exp_checkpoint,
+    make_hf_qwen4_exp_model,
+    save_released_checkpoint,
+    tiny_qwen4_exp_config,
+)
 
 VOCAB = 128
 
@@ -102,12 +107,6 @@ def test_silu_output_gate(tmp_path):
 def test_qsa_ties_break_as_transformers_does(tmp_path):
     """An indexer whose queries are zero scores every block exactly 0, so the whole selection
     is decided by how top-k breaks ties (relu makes such ties common in trained models)."""
-    from tests.tiny_checkpoints import (
-        make_hf_qwen4_exp_model,
-        save_released_checkpoint,
-        tiny_qwen4_exp_config,
-    )
-
     config = tiny_qwen4_exp_config()
     hf = make_hf_qwen4_exp_model(config, seed=6)
     query_rows = config["indexer_n_heads"] * config["indexer_head_dim"]
