@@ -370,7 +370,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"bench_offline_throughput: error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
     args.model_path = model_path
-    from runtime.engine.sampling_params import InvalidRequestError  # after bench_common's path
+    from runtime.core.errors import InvalidRequestError  # after bench_common's path
 
     threads = set_threads(args.threads)
     config = {

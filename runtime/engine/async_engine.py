@@ -19,8 +19,8 @@ import time
 import traceback
 from collections.abc import AsyncIterator, Callable
 
+from runtime.core.request import Req
 from runtime.engine.engine import Engine
-from runtime.scheduler.request import Req
 
 logger = logging.getLogger(__name__)
 

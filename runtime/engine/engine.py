@@ -25,13 +25,15 @@ from runtime.cache.req_to_token_pool import ReqToTokenPool
 from runtime.cache.slot_table import SlotTable
 from runtime.configs.model_config import ModelConfig
 from runtime.configs.speculative import SpeculativeConfig
-from runtime.engine.sampling_params import InvalidRequestError, SamplingParams
+from runtime.core.errors import InvalidRequestError
+from runtime.core.request import FinishReason, Req
+from runtime.core.sampling_params import SamplingParams
 from runtime.engine.tokenizer import load_tokenizer
 from runtime.execution.model_runner import ModelRunner
 from runtime.execution.worker import PlainWorker
+from runtime.model_loader.build import load_model
 from runtime.models.registry import model_classes, resolve_model_class
 from runtime.scheduler.detokenizer import IncrementalDetokenizer
-from runtime.scheduler.request import FinishReason, Req
 from runtime.scheduler.scheduler import Scheduler
 from runtime.speculative.drafter import MTPDrafter
 from runtime.speculative.nextn_worker import NextNWorker
@@ -97,12 +99,11 @@ class Engine:
             PagedTokenAllocator(num_pages, page_size, device),
         )
         self.runner = ModelRunner(
+            load_model(self.model_config, target_cls, progress=progress),
             self.model_config,
             self.slot_table,
             pass_width,
-            model_cls=target_cls,
             device=device,
-            progress=progress,
         )
         self.eos_ids = eos_ids = set(
             self.model_config.eos_token_ids
@@ -110,12 +111,11 @@ class Engine:
         generator = torch.Generator().manual_seed(random_seed) if random_seed is not None else None
         if self.spec_config:
             draft = ModelRunner(
+                load_model(self.model_config, draft_cls, progress=progress),
                 self.model_config,
                 self.slot_table,
                 pass_width,
-                model_cls=draft_cls,
                 device=device,
-                progress=progress,
             )
             draft.model.set_embed_and_head(*self.runner.model.get_embed_and_head())
             self.worker = NextNWorker(

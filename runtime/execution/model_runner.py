@@ -1,8 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
-"""`ModelRunner`: owns one model and its cache pool; turns a `ModelInput` into a forward.
+"""`ModelRunner`: owns one built model and its cache pool; turns a `ModelInput` into a
+forward.
 
 Target and draft each get a runner; both share the `SlotTable` (request slots and token
-pages), so a request's positions map to the same token slots in both.
+pages), so a request's positions map to the same token slots in both. The runner is handed
+a loaded model (the engine loads it); it never reads a checkpoint.
 """
 
 from __future__ import annotations
@@ -11,15 +13,14 @@ import logging
 from dataclasses import dataclass, field
 
 import torch
+from torch import nn
 
 from runtime.cache.pool_geometry import PoolGeometry
 from runtime.cache.slot_table import SlotTable
 from runtime.configs.model_config import ModelConfig
-from runtime.distributed import Mapping
-from runtime.execution.forward_context import ForwardContext
-from runtime.execution.forward_mode import CaptureHiddenMode, ForwardMode
-from runtime.layers.logits_processor import LogitsProcessorOutput
-from runtime.model_loader.build import load_model
+from runtime.core.forward_context import ForwardContext
+from runtime.core.forward_mode import CaptureHiddenMode, ForwardMode
+from runtime.core.model_output import LogitsProcessorOutput
 
 logger = logging.getLogger(__name__)
 
@@ -44,18 +45,14 @@ class ModelInput:
 class ModelRunner:
     def __init__(
         self,
+        model: nn.Module,
         model_config: ModelConfig,
         slot_table: SlotTable,
         max_tokens_per_pass: int = 1,
-        mapping: Mapping | None = None,
-        model_cls: type | None = None,
         device: str = "cpu",
-        progress: bool = True,
     ):
-        self.model_config, self.slot_table, self.device = model_config, slot_table, device
-        self.model = load_model(
-            model_config, mapping or Mapping.single(), model_cls, progress=progress
-        )
+        self.model, self.model_config = model, model_config
+        self.slot_table, self.device = slot_table, device
         geometry = PoolGeometry(
             max_reqs=slot_table.req_pool.max_reqs,
             num_pages=slot_table.allocator.num_pages,

@@ -19,10 +19,12 @@ from dataclasses import dataclass
 
 import torch
 
+from runtime.core.request import Req
+
 
 @dataclass(frozen=True)
 class RowHistory:
-    req: object  # a scheduler Req (prompt_ids, output_ids, sampling_params)
+    req: Req
     extra_tokens: tuple[int, ...] = ()
 
 

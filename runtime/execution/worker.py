@@ -15,11 +15,11 @@ from collections.abc import Sequence
 
 import torch
 
-from runtime.execution.forward_mode import CaptureHiddenMode, ForwardMode
+from runtime.core.forward_mode import CaptureHiddenMode, ForwardMode
+from runtime.core.step_io import Chunk, TokenOutput
 from runtime.execution.model_runner import ModelInput, ModelRunner
 from runtime.execution.penalties import RowHistory, adjust_logits
 from runtime.execution.sampler import SamplingBatch, sample
-from runtime.scheduler.step_io import Chunk, TokenOutput
 
 
 def chunk_input(

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from runtime.execution.forward_context import ForwardContext
+from runtime.core.forward_context import ForwardContext
 from runtime.layers.position_ring import RingAccess, gather_ring, ring_access
 
 

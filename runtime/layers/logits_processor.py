@@ -3,19 +3,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 
-from runtime.execution.forward_context import ForwardContext
-from runtime.execution.forward_mode import CaptureHiddenMode
-
-
-@dataclass
-class LogitsProcessorOutput:
-    next_token_logits: torch.Tensor  # [R, vocab] fp32, one row per requested input row
-    hidden_states: torch.Tensor | None = None  # [T or R, D] captured hidden, when asked
+from runtime.core.forward_context import ForwardContext
+from runtime.core.forward_mode import CaptureHiddenMode
+from runtime.core.model_output import LogitsProcessorOutput
 
 
 class LogitsProcessor(nn.Module):

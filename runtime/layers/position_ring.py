@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from runtime.execution.forward_context import ForwardContext
+from runtime.core.forward_context import ForwardContext
 
 
 @dataclass

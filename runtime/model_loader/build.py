@@ -25,7 +25,7 @@ def default_dtype(dtype: torch.dtype):
 
 
 def build_model(
-    model_config: ModelConfig, mapping: Mapping, model_cls: type | None = None
+    model_config: ModelConfig, model_cls: type | None = None, mapping: Mapping | None = None
 ) -> nn.Module:
     """An unfilled model in the compute dtype (fp32 where the model asks for it)."""
     if model_cls is None:
@@ -33,17 +33,18 @@ def build_model(
 
         model_cls = resolve_model_class(model_config.architectures)
     with default_dtype(model_config.dtype):
-        model = model_cls(model_config.hf_config, mapping)
+        model = model_cls(model_config.hf_config, mapping or Mapping.single())
     return model.eval()
 
 
 def load_model(
     model_config: ModelConfig,
-    mapping: Mapping,
     model_cls: type | None = None,
+    mapping: Mapping | None = None,
     progress: bool = True,
 ) -> nn.Module:
-    model = build_model(model_config, mapping, model_cls)
+    """`model_cls` defaults to the registry's class for the checkpoint's architecture."""
+    model = build_model(model_config, model_cls, mapping)
     skip = getattr(model, "skip_checkpoint_weight", None)
     # block_size=None: the FP8 block size comes from the checkpoint's quantization_config
     weights = checkpoint_weights(

@@ -21,12 +21,13 @@ from torch import nn
 
 from runtime.cache.deepseek_v4_pool import DeepseekV4CacheLayout, DeepseekV4KVPool
 from runtime.cache.pool_geometry import PoolGeometry
+from runtime.core.forward_context import ForwardContext
+from runtime.core.model_output import LogitsProcessorOutput
 from runtime.distributed import Mapping
-from runtime.execution.forward_context import ForwardContext
 from runtime.layers.attention.deepseek_v4 import DeepseekV4Attention, RopeInputs
 from runtime.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from runtime.layers.hyper_connection import hc_head, hc_post, hc_pre
-from runtime.layers.logits_processor import LogitsProcessor, LogitsProcessorOutput
+from runtime.layers.logits_processor import LogitsProcessor
 from runtime.layers.mlp import SwiGLUMLP
 from runtime.layers.moe import (
     ExpertCheckpointSchema,

@@ -25,13 +25,14 @@ from torch import nn
 
 from runtime.cache.deepseek_v4_pool import DeepseekV4CacheLayout, DeepseekV4KVPool
 from runtime.cache.pool_geometry import PoolGeometry
+from runtime.core.forward_context import ForwardContext
+from runtime.core.model_output import LogitsProcessorOutput
 from runtime.distributed import Mapping
-from runtime.execution.forward_context import ForwardContext
 from runtime.layers.attention.deepseek_v4 import RopeInputs
 from runtime.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from runtime.layers.hyper_connection import hc_head
 from runtime.layers.linear import ReplicatedLinear
-from runtime.layers.logits_processor import LogitsProcessor, LogitsProcessorOutput
+from runtime.layers.logits_processor import LogitsProcessor
 from runtime.layers.norm import RMSNorm
 from runtime.layers.weight_utils import make_param
 from runtime.models.deepseek_v4 import (

@@ -21,14 +21,15 @@ from torch import nn
 
 from runtime.cache.pool_geometry import PoolGeometry
 from runtime.cache.qwen4_exp_pool import Qwen4ExpCacheLayout, Qwen4ExpKVPool
+from runtime.core.forward_context import ForwardContext
+from runtime.core.model_output import LogitsProcessorOutput
 from runtime.distributed import Mapping
-from runtime.execution.forward_context import ForwardContext
 from runtime.layers.attention.qwen4_exp_qsa import QSAAttention
 from runtime.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from runtime.layers.gated_residual import GatedResidual
 from runtime.layers.linear import ReplicatedLinear
 from runtime.layers.linear_attention.gated_delta_net import GatedDeltaNet
-from runtime.layers.logits_processor import LogitsProcessor, LogitsProcessorOutput
+from runtime.layers.logits_processor import LogitsProcessor
 from runtime.layers.mlp import SwiGLUMLP
 from runtime.layers.moe import (
     ExpertCheckpointSchema,

@@ -24,12 +24,13 @@ from torch import nn
 
 from runtime.cache.pool_geometry import PoolGeometry
 from runtime.cache.qwen4_exp_pool import Qwen4ExpKVPool
+from runtime.core.forward_context import ForwardContext
+from runtime.core.model_output import LogitsProcessorOutput
 from runtime.distributed import Mapping
-from runtime.execution.forward_context import ForwardContext
 from runtime.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from runtime.layers.gated_residual import GatedResidual
 from runtime.layers.linear import ReplicatedLinear
-from runtime.layers.logits_processor import LogitsProcessor, LogitsProcessorOutput
+from runtime.layers.logits_processor import LogitsProcessor
 from runtime.layers.norm import OffsetRMSNorm
 from runtime.models.draft_common import SharesTargetEmbedHead
 from runtime.models.qwen4_exp import (

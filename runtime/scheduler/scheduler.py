@@ -22,8 +22,8 @@ import logging
 from collections import deque
 
 from runtime.cache.slot_table import SlotTable
-from runtime.scheduler.request import FinishReason, Req
-from runtime.scheduler.step_io import Chunk, TokenOutput
+from runtime.core.request import FinishReason, Req
+from runtime.core.step_io import Chunk, TokenOutput
 
 logger = logging.getLogger(__name__)
 

@@ -19,9 +19,9 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
+from runtime.core.errors import InvalidRequestError
+from runtime.core.request import Req
 from runtime.engine.async_engine import AsyncEngine
-from runtime.engine.sampling_params import InvalidRequestError
-from runtime.scheduler.request import Req
 from runtime.server import openai_api
 from runtime.server.native_api import parse_generate, response_shape
 from runtime.server_args import ServerArgs

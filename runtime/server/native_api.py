@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from runtime.core.errors import InvalidRequestError
+from runtime.core.request import Req
+from runtime.core.sampling_params import SamplingParams
 from runtime.engine.engine import Engine
-from runtime.engine.sampling_params import InvalidRequestError, SamplingParams
-from runtime.scheduler.request import Req
 
 # Accepted for compatibility but unused by this runtime; a non-null value is refused.
 _UNSUPPORTED = (

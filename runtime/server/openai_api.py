@@ -9,9 +9,10 @@ import uuid
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from runtime.core.errors import InvalidRequestError
+from runtime.core.request import Req
+from runtime.core.sampling_params import SamplingParams
 from runtime.engine.engine import Engine
-from runtime.engine.sampling_params import InvalidRequestError, SamplingParams
-from runtime.scheduler.request import Req
 
 
 class StreamOptions(BaseModel):

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import torch
 
-from runtime.execution.forward_mode import CaptureHiddenMode, ForwardMode
+from runtime.core.forward_mode import CaptureHiddenMode, ForwardMode
 from runtime.execution.model_runner import ModelInput, ModelRunner
 
 

@@ -19,12 +19,12 @@ from dataclasses import dataclass, field
 import torch
 
 from runtime.configs.speculative import SpeculativeConfig
-from runtime.execution.forward_mode import CaptureHiddenMode, ForwardMode
+from runtime.core.forward_mode import CaptureHiddenMode, ForwardMode
+from runtime.core.step_io import Chunk, TokenOutput
 from runtime.execution.model_runner import ModelInput, ModelRunner
 from runtime.execution.penalties import RowHistory, adjust_logits
 from runtime.execution.sampler import SamplingBatch
 from runtime.execution.worker import LogitRows, chunk_input, chunk_outputs, token_logprob_outputs
-from runtime.scheduler.step_io import Chunk, TokenOutput
 from runtime.speculative.acceptance import verify
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from runtime import Engine
-from runtime.engine.sampling_params import InvalidRequestError
+from runtime.core.errors import InvalidRequestError
 
 GREEDY = {"temperature": 0, "max_new_tokens": 40, "ignore_eos": True}
 

@@ -10,10 +10,10 @@ import torch
 from scipy.stats import chisquare
 
 from runtime import Engine
-from runtime.engine.sampling_params import SamplingParams
+from runtime.core.request import Req
+from runtime.core.sampling_params import SamplingParams
+from runtime.core.step_io import Chunk
 from runtime.execution.sampler import SamplingBatch, target_probs
-from runtime.scheduler.request import Req
-from runtime.scheduler.step_io import Chunk
 from runtime.speculative import nextn_worker
 from runtime.speculative.acceptance import VerifyResult
 from tests.engine.test_nextn import OracleDrafter, make_prompts

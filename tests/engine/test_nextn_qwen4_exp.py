@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from runtime import Engine
-from runtime.engine.sampling_params import SamplingParams
-from runtime.scheduler.request import Req
-from runtime.scheduler.step_io import Chunk
+from runtime.core.request import Req
+from runtime.core.sampling_params import SamplingParams
+from runtime.core.step_io import Chunk
 from tests.engine.test_nextn import OracleDrafter, run_batches
 from tests.engine.test_nextn_exactness import MTPThenOracle, exact_marginals, fit_pvalues
 from tests.tiny_checkpoints import build_tiny_qwen4_exp_mtp_checkpoint

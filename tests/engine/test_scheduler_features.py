@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from runtime import Engine
-from runtime.engine.sampling_params import SamplingParams
+from runtime.core.request import Req
+from runtime.core.sampling_params import SamplingParams
 from runtime.execution.penalties import RowHistory, adjust_logits
-from runtime.scheduler.request import Req
 from tests.engine.test_nextn import OracleDrafter
 from tests.tiny_checkpoints import build_tiny_v4_mtp_checkpoint, save_char_tokenizer
 
@@ -184,7 +184,7 @@ def test_prompt_logprobs_equal_a_direct_forward(plain):
     )
     entries = out["meta_info"]["input_token_logprobs"]
     assert [t for _, t, _ in entries] == ids[2:]
-    from runtime.execution.forward_mode import ForwardMode
+    from runtime.core.forward_mode import ForwardMode
     from runtime.execution.model_runner import ModelInput
 
     table = plain.slot_table

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from runtime import Engine
+from tests.runners import load_runner
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "train_tiny_model.py"
 TINY_SHAPE = {
@@ -154,8 +155,8 @@ def assert_runtime_equals_training_form(script, checkpoint: Path, draft_cls, seq
     target and draft: the last-row logits of a prompt of each length in `seqs`."""
     from runtime.cache import PagedTokenAllocator, ReqToTokenPool, SlotTable
     from runtime.configs.model_config import ModelConfig
-    from runtime.execution.forward_mode import CaptureHiddenMode, ForwardMode
-    from runtime.execution.model_runner import ModelInput, ModelRunner
+    from runtime.core.forward_mode import CaptureHiddenMode, ForwardMode
+    from runtime.execution.model_runner import ModelInput
 
     model = script.load_checkpoint(checkpoint).eval()
     config = ModelConfig.from_path(checkpoint, "float32")
@@ -165,10 +166,8 @@ def assert_runtime_equals_training_form(script, checkpoint: Path, draft_cls, seq
         trunk_logits, mtp_logits = model(tokens)
     for seq in seqs:
         table = SlotTable(ReqToTokenPool(4, 256), PagedTokenAllocator(64, 4))
-        target = ModelRunner(config, table, max_tokens_per_pass=4, progress=False)
-        draft = ModelRunner(
-            config, table, max_tokens_per_pass=4, model_cls=draft_cls, progress=False
-        )
+        target = load_runner(config, table, max_tokens_per_pass=4)
+        draft = load_runner(config, table, max_tokens_per_pass=4, model_cls=draft_cls)
         draft.model.set_embed_and_head(*target.model.get_embed_and_head())
         req = table.open_request()
         table.reserve(req, seq + 2)

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from runtime.configs.model_config import ModelConfig
-from runtime.execution.forward_mode import ForwardMode
+from runtime.core.forward_mode import ForwardMode
 from runtime.execution.model_runner import ModelInput
 from runtime.model_loader import CheckpointError
 from runtime.models.registry import UnsupportedArchitectureError

@@ -9,9 +9,10 @@ import torch.nn.functional as F
 
 from runtime.cache import PagedTokenAllocator, ReqToTokenPool, SlotTable
 from runtime.configs.model_config import ModelConfig
-from runtime.execution.forward_mode import CaptureHiddenMode, ForwardMode
-from runtime.execution.model_runner import ModelInput, ModelRunner
+from runtime.core.forward_mode import CaptureHiddenMode, ForwardMode
+from runtime.execution.model_runner import ModelInput
 from runtime.models.deepseek_v4_mtp import DeepseekV4ForCausalLMNextN, remap_mtp_name
+from tests.runners import load_runner
 from tests.tiny_checkpoints import build_tiny_v4_mtp_checkpoint
 
 ATOL = 1e-4
@@ -74,15 +75,13 @@ def test_paged_mtp_matches_dense_restatement_per_step(mtp_ckpt):
     embed, head = tensors["embed.weight"], tensors["head.weight"]
     config = ModelConfig.from_path(path, "float32")
     table = SlotTable(ReqToTokenPool(4, 256), PagedTokenAllocator(64, 4))
-    draft = ModelRunner(
-        config, table, max_tokens_per_pass=4, model_cls=DeepseekV4ForCausalLMNextN, progress=False
-    )
+    draft = load_runner(config, table, max_tokens_per_pass=4, model_cls=DeepseekV4ForCausalLMNextN)
     draft.model.set_embed_and_head(embed, head)
 
     prompt_len, steps = 37, 4
     ids = torch.randint(0, 97, (prompt_len + 1,), generator=torch.Generator().manual_seed(9))
     # target streams before hc_head, from our target (verified against transformers elsewhere)
-    target = ModelRunner(config, table, max_tokens_per_pass=4, progress=False)
+    target = load_runner(config, table, max_tokens_per_pass=4)
     req = table.open_request()
     table.reserve(req, prompt_len + steps + 2)
     out = target.forward(

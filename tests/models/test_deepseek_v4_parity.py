@@ -14,8 +14,9 @@ import torch
 
 from runtime.cache import PagedTokenAllocator, ReqToTokenPool, SlotTable
 from runtime.configs.model_config import ModelConfig
-from runtime.execution.forward_mode import CaptureHiddenMode, ForwardMode
-from runtime.execution.model_runner import ModelInput, ModelRunner
+from runtime.core.forward_mode import CaptureHiddenMode, ForwardMode
+from runtime.execution.model_runner import ModelInput
+from tests.runners import load_runner
 
 ATOL = 1e-4
 
@@ -25,7 +26,7 @@ def make_runner(path, page_size=1, max_reqs=8, tokens=1024):
     table = SlotTable(
         ReqToTokenPool(max_reqs, tokens), PagedTokenAllocator(tokens // page_size, page_size)
     )
-    return ModelRunner(config, table, progress=False), table
+    return load_runner(config, table), table
 
 
 def hf_logits(hf_model, ids: torch.Tensor) -> torch.Tensor:

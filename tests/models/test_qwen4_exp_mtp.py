@@ -11,9 +11,10 @@ from safetensors.torch import load_file
 
 from runtime.cache import PagedTokenAllocator, ReqToTokenPool, SlotTable
 from runtime.configs.model_config import ModelConfig
-from runtime.execution.forward_mode import CaptureHiddenMode, ForwardMode
-from runtime.execution.model_runner import ModelInput, ModelRunner
+from runtime.core.forward_mode import CaptureHiddenMode, ForwardMode
+from runtime.execution.model_runner import ModelInput
 from runtime.models.qwen4_exp_mtp import Qwen4ExpMTP, remap_mtp_weight_name
+from tests.runners import load_runner
 from tests.tiny_checkpoints import build_tiny_qwen4_exp_mtp_checkpoint
 
 ATOL = 1e-4
@@ -78,8 +79,8 @@ def test_paged_mtp_matches_composed_oracle(mtp_ckpt, prompt_len):
     embed, head = tensors["model.embed_tokens.weight"], tensors["lm_head.weight"]
     config = ModelConfig.from_path(path, "float32")
     table = SlotTable(ReqToTokenPool(2, 256), PagedTokenAllocator(64, 4))
-    target = ModelRunner(config, table, max_tokens_per_pass=5, progress=False)
-    draft = ModelRunner(config, table, max_tokens_per_pass=5, model_cls=Qwen4ExpMTP, progress=False)
+    target = load_runner(config, table, max_tokens_per_pass=5)
+    draft = load_runner(config, table, max_tokens_per_pass=5, model_cls=Qwen4ExpMTP)
     draft.model.set_embed_and_head(embed, head)
     steps = 4
     ids = torch.randint(

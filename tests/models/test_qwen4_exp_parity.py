@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime.execution.forward_mode import ForwardMode
+from runtime.core.forward_mode import ForwardMode
 from runtime.execution.model_runner import ModelInput
 from tests.models.test_deepseek_v4_parity import (
     ATOL,

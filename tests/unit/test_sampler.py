@@ -8,7 +8,8 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from runtime.engine.sampling_params import InvalidRequestError, SamplingParams
+from runtime.core.errors import InvalidRequestError
+from runtime.core.sampling_params import SamplingParams
 from runtime.execution.sampler import SamplingBatch, hashed_uniform, sample, target_probs
 
 

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from runtime.cache.deepseek_v4_pool import DeepseekV4KVPool, compressor_overlap
-from runtime.execution.forward_context import ForwardContext
+from runtime.core.forward_context import ForwardContext
 from runtime.kernels.sink_attention import tiled_scores, tiled_sink_attention
 from runtime.layers.linear import MergedColumnParallelLinear, ReplicatedLinear
 from runtime.layers.norm import RMSNorm, WeightlessRMSNorm

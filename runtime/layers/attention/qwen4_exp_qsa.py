@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from runtime.execution.forward_context import ForwardContext
+from runtime.core.forward_context import ForwardContext
 from runtime.layers.linear import MergedColumnParallelLinear, ReplicatedLinear
 from runtime.layers.norm import OffsetRMSNorm
 from runtime.layers.rotary import RotaryEmbedding

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from runtime.execution.forward_context import ForwardContext
+from runtime.core.forward_context import ForwardContext
 from runtime.kernels.gated_delta_rule import chunked_gated_delta_rule
 from runtime.layers.causal_conv import causal_conv, conv_window_access
 from runtime.layers.linear import MergedColumnParallelLinear, ReplicatedLinear

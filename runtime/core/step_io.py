@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from runtime.core.request import Req
+
 
 @dataclass
 class TokenOutput:
@@ -18,7 +20,7 @@ class TokenOutput:
 class Chunk:
     """One request's share of a step: tokens `all_ids[start:end]`."""
 
-    req: object
+    req: Req
     start: int
     end: int
 

@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from runtime.execution.forward_mode import CaptureHiddenMode, ForwardMode
+from runtime.core.forward_mode import CaptureHiddenMode, ForwardMode
 
 T = TypeVar("T")
 

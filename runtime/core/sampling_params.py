@@ -5,9 +5,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
 
-
-class InvalidRequestError(ValueError):
-    """A request the caller must fix (bad parameter, prompt too long, ...)."""
+from runtime.core.errors import InvalidRequestError
 
 
 @dataclass

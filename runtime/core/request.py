@@ -5,9 +5,20 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Protocol
 
-from runtime.engine.sampling_params import SamplingParams
-from runtime.scheduler.detokenizer import IncrementalDetokenizer
+from runtime.core.sampling_params import SamplingParams
+
+
+class Detokenizer(Protocol):
+    """Turns a request's tokens into text as they arrive (the scheduler's
+    `IncrementalDetokenizer`)."""
+
+    text: str
+
+    def add(self, token: int) -> str: ...
+
+    def flush(self) -> str: ...
 
 
 @dataclass
@@ -36,7 +47,7 @@ class Req:
     return_logprob: bool = False
     top_logprobs_num: int = 0
     logprob_start_len: int = -1  # first prompt position to return logprobs for; -1 = none
-    detokenizer: IncrementalDetokenizer | None = None
+    detokenizer: Detokenizer | None = None
     output_ids: list[int] = field(default_factory=list)
     req_pool_idx: int | None = None
     num_cached: int = 0  # tokens of `all_ids` whose KV is in the cache
