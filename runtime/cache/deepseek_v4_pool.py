@@ -16,6 +16,10 @@ Kinds of storage (see research/deepseek_v4.md section 2.6 and 5.3):
 
 Rows are keyed by position everywhere, so rolling back speculative tokens needs no copy:
 the rejected positions are simply rewritten later.
+
+Every buffer also holds the padding request's ring rows and the padding page's rows
+(`PoolGeometry.req_slots`, `cache_pages`): rows that pad a captured batch, and the entries a
+captured step computes at positions that close no block, are written there (`trash_row`).
 """
 
 from __future__ import annotations
@@ -24,7 +28,11 @@ from dataclasses import dataclass
 
 import torch
 
+from runtime.cache.deepseek_v4_metadata import compressor_overlap, prepare_metadata
 from runtime.cache.pool_geometry import PoolGeometry
+from runtime.core.forward_context import ForwardContext
+
+__all__ = ["DeepseekV4CacheLayout", "DeepseekV4KVPool", "compressor_overlap"]
 
 
 @dataclass(frozen=True)
@@ -41,20 +49,18 @@ class DeepseekV4CacheLayout:
         return self.compress_ratios[layer] == self.indexer_ratio
 
 
-def compressor_overlap(ratio: int) -> int:
-    """Blocks pooled per compressed entry: ratio-4 windows overlap the previous block."""
-    return 2 if ratio == 4 else 1
-
-
 class DeepseekV4KVPool:
     def __init__(self, layout: DeepseekV4CacheLayout, geometry: PoolGeometry):
-        max_reqs, dtype, device = geometry.max_reqs, geometry.dtype, geometry.device
-        self.layout, self.max_reqs, self.page_size = layout, max_reqs, geometry.page_size
+        dtype, device = geometry.dtype, geometry.device
+        self.layout, self.max_reqs, self.page_size = layout, geometry.max_reqs, geometry.page_size
         self.num_pages, self.dtype, self.device = geometry.num_pages, dtype, device
+        self.req_slots, self.cache_pages = geometry.req_slots, geometry.cache_pages
         self.swa_ring = layout.sliding_window + geometry.max_tokens_per_pass
-        self._max_pass = geometry.max_tokens_per_pass
+        self.max_pass = geometry.max_tokens_per_pass
         self.swa_kv = [
-            torch.zeros((max_reqs * self.swa_ring, layout.head_dim), dtype=dtype, device=device)
+            torch.zeros(
+                (self.req_slots * self.swa_ring, layout.head_dim), dtype=dtype, device=device
+            )
             for _ in layout.compress_ratios
         ]
         self.compressor_state: dict[int, torch.Tensor] = {}
@@ -70,9 +76,20 @@ class DeepseekV4KVPool:
                 self.indexer_state[layer] = self._state_buffer(ratio, layout.index_head_dim)
                 self.indexer_k[layer] = self._compressed_buffer(ratio, layout.index_head_dim, dtype)
 
+    # per-forward metadata -----------------------------------------------------------------
+    def prepare(self, ctx: ForwardContext, entries: dict[int, int] | None = None):
+        """The addressing every layer of this forward reads (`deepseek_v4_metadata`);
+        `entries[ratio]` pads the compressed entry count of a uniform batch."""
+        return prepare_metadata(ctx, self, entries)
+
     # geometry -----------------------------------------------------------------------------
+    @property
+    def ratios(self) -> list[int]:
+        """The compress ratios some layer uses, ascending."""
+        return sorted({r for r in self.layout.compress_ratios if r > 1})
+
     def state_ring(self, ratio: int) -> int:
-        return compressor_overlap(ratio) * ratio + self._max_pass
+        return compressor_overlap(ratio) * ratio + self.max_pass
 
     def compressed_rows_per_page(self, ratio: int) -> int:
         return -(-self.page_size // ratio)
@@ -80,11 +97,13 @@ class DeepseekV4KVPool:
     def _state_buffer(self, ratio: int, dim: int) -> torch.Tensor:
         width = 2 * compressor_overlap(ratio) * dim
         return torch.zeros(
-            (self.max_reqs * self.state_ring(ratio), width), dtype=torch.float32, device=self.device
+            (self.req_slots * self.state_ring(ratio), width),
+            dtype=torch.float32,
+            device=self.device,
         )
 
     def _compressed_buffer(self, ratio: int, dim: int, dtype: torch.dtype) -> torch.Tensor:
-        rows = self.num_pages * self.compressed_rows_per_page(ratio)
+        rows = self.cache_pages * self.compressed_rows_per_page(ratio)
         return torch.zeros((rows, dim), dtype=dtype, device=self.device)
 
     # addressing ---------------------------------------------------------------------------
@@ -101,6 +120,10 @@ class DeepseekV4KVPool:
         """Row of a compressed entry from the token slot of its block's first position."""
         page, offset = block_first_slot // self.page_size, block_first_slot % self.page_size
         return page * self.compressed_rows_per_page(ratio) + offset // ratio
+
+    def trash_row(self, ratio: int) -> int:
+        """A compressed row of the padding page: where writes that must go nowhere land."""
+        return self.num_pages * self.compressed_rows_per_page(ratio)
 
     def commit_verified(self, req_pool_indices, num_accepted) -> None:
         """Nothing to do: every V4 cache row is keyed by position (see the module docstring)."""

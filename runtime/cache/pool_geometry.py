@@ -19,3 +19,13 @@ class PoolGeometry:
     dtype: torch.dtype
     device: torch.device | str = "cpu"
     max_context: int = 0  # longest request, for per-request tables sized by context
+
+    @property
+    def req_slots(self) -> int:
+        """Rows of per-request buffers: every request slot and the padding request."""
+        return self.max_reqs + 1
+
+    @property
+    def cache_pages(self) -> int:
+        """Pages of per-token buffers: every allocatable page and the padding page."""
+        return self.num_pages + 1

@@ -46,11 +46,13 @@ class Qwen4ExpKVPool:
         geometry: PoolGeometry,
         reuses_qsa_selection: bool = False,
     ):
-        max_reqs, dtype, device = geometry.max_reqs, geometry.dtype, geometry.device
+        dtype, device = geometry.dtype, geometry.device
         max_tokens_per_pass = geometry.max_tokens_per_pass
-        self.layout, self.dtype, self.device, self.max_reqs = layout, dtype, device, max_reqs
+        self.layout, self.dtype, self.device = layout, dtype, device
+        self.max_reqs = geometry.max_reqs
+        max_reqs = geometry.req_slots  # per-request rows, the padding request included
         self.reuses_qsa_selection = reuses_qsa_selection
-        slots = geometry.num_pages * geometry.page_size
+        slots = geometry.cache_pages * geometry.page_size  # the padding page included
         self.conv_ring = layout.conv_kernel - 1 + max_tokens_per_pass
         self.token_ring = layout.ngram_size - 1 + max_tokens_per_pass
         self.ple_conv_ring = layout.ple_conv_span + max_tokens_per_pass
@@ -90,6 +92,11 @@ class Qwen4ExpKVPool:
             if reuses_qsa_selection
             else {}
         )
+
+    def prepare(self, ctx) -> None:
+        """No shared metadata yet: Qwen4Exp layers build their addressing on first use
+        (`ctx.memo`); docs/captured_decode.md describes the prepared form."""
+        return None
 
     # speculative decoding -----------------------------------------------------------------
     def commit_verified(self, req_pool_indices: torch.Tensor, num_accepted: torch.Tensor) -> None:

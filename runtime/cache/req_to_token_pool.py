@@ -1,5 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Request slots and the `[request, position] -> token slot` table shared by target and draft."""
+"""Request slots and the `[request, position] -> token slot` table shared by target and draft.
+
+The table has one row more than there are request slots: the padding request (`pad_req`),
+which rows that pad a captured batch up to its size use; `SlotTable` points every position
+of it at the allocator's padding slot. Per-request cache buffers hold it too.
+"""
 
 from __future__ import annotations
 
@@ -9,8 +14,9 @@ import torch
 class ReqToTokenPool:
     def __init__(self, max_reqs: int, max_context_len: int, device: torch.device | str = "cpu"):
         self.max_reqs, self.max_context_len = max_reqs, max_context_len
+        self.pad_req = max_reqs
         self.req_to_token = torch.zeros(
-            (max_reqs, max_context_len), dtype=torch.long, device=device
+            (max_reqs + 1, max_context_len), dtype=torch.long, device=device
         )
         self._free = list(range(max_reqs - 1, -1, -1))
 

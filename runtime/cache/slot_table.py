@@ -20,6 +20,7 @@ class SlotTable:
         self.req_pool, self.allocator = req_pool, allocator
         self.page_size = allocator.page_size
         self._pages: dict[int, list[int]] = {}
+        self.req_to_token[req_pool.pad_req] = allocator.pad_slot
 
     @property
     def req_to_token(self) -> torch.Tensor:

@@ -4,8 +4,9 @@
 The scheduler (or the speculative worker) decides *which* tokens run; the `ModelRunner`
 turns that into a `ForwardContext` once per forward. Models read the batch layout and
 cache accessors from it and nothing else: no weights, no scheduler objects. Attention
-metadata that every layer shares (slot mappings, gather indices) is built on first use
-through `memo` and reused by the remaining layers of the same forward.
+metadata that every layer shares (slot mappings, gather indices) is prepared by the runner
+before the forward (`attn_metadata`, from the cache pool's `prepare`); `memo` remains for
+layers that still build theirs on first use.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ class ForwardContext:
     kv_pool: Any  # the model's cache pool (typed accessors per attention kind)
     capture_hidden_mode: CaptureHiddenMode = CaptureHiddenMode.NULL
     logits_row_indices: torch.Tensor | None = None  # [R] rows to compute logits for; None = all
+    attn_metadata: Any = None  # the pool's per-forward addressing, prepared before the forward
     memos: dict[str, Any] = field(default_factory=dict)
 
     @property

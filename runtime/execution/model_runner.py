@@ -85,6 +85,7 @@ class ModelRunner:
             ForwardMode.DRAFT_EXTEND,
         ):
             ctx.logits_row_indices = ctx.last_row_per_request()
+        ctx.attn_metadata = self.kv_pool.prepare(ctx)
         return ctx
 
     @torch.inference_mode()

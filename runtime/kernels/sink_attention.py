@@ -91,3 +91,37 @@ def tiled_sink_attention(
     if row_kv is not None:
         out = out + torch.bmm(probs[..., width:-1], row_kv)
     return out
+
+
+def grouped_sink_attention(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    valid: torch.Tensor,
+    row_kv: torch.Tensor | None,
+    row_valid: torch.Tensor | None,
+    sink: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """`tiled_sink_attention` for groups of equally many rows (every request of a uniform
+    batch runs `R` rows), with no index tensors: shapes fix everything.
+
+    `q [B, R, H, D]`; `kv [B, K, D]` keys shared by the group's rows with `valid [B, R, K]`;
+    `row_kv [B * R, Kr, D]` keys of each row alone with `row_valid [B * R, Kr]` (or None).
+    Returns `[B * R, H, D]`.
+    """
+    groups, rows, heads, dim = q.shape
+    width = kv.shape[1]
+    scores = torch.bmm(q.reshape(groups, rows * heads, dim), kv.transpose(1, 2)).float() * scale
+    scores = scores.view(groups, rows, heads, width).masked_fill(~valid.unsqueeze(2), float("-inf"))
+    parts = [scores.view(groups * rows, heads, width)]
+    flat_q = q.reshape(groups * rows, heads, dim)
+    if row_kv is not None:
+        row_scores = torch.bmm(flat_q, row_kv.transpose(1, 2)).float() * scale
+        parts.append(row_scores.masked_fill(~row_valid.unsqueeze(1), float("-inf")))
+    parts.append(sink.float().view(1, -1, 1).expand(groups * rows, -1, 1))
+    probs = torch.softmax(torch.cat(parts, dim=-1), dim=-1).to(q.dtype)
+    shared = probs[..., :width].reshape(groups, rows * heads, width)
+    out = torch.bmm(shared, kv).view(groups * rows, heads, dim)
+    if row_kv is not None:
+        out = out + torch.bmm(probs[..., width:-1], row_kv)
+    return out

@@ -6,12 +6,16 @@ passes, every denominator padded by eps (research/deepseek_v4.md section 2.2).
 
 The matrices are tiny (4 x 4) and the loop has ~80 elementwise steps, so the cost is
 per-op dispatch. On CPU with few rows, numpy's per-op overhead is about half of torch's;
-the numpy path runs the same operations in the same order (bit-identical results).
+the numpy path runs the same operations in the same order (bit-identical results). A
+captured step (host code cannot be captured) runs the torch reference, which the compiler
+fuses.
 """
 
 from __future__ import annotations
 
 import torch
+
+from runtime.core.capture import in_capture
 
 _NUMPY_MAX_ROWS = 64
 
@@ -35,6 +39,8 @@ def _sinkhorn_numpy(logits: torch.Tensor, iters: int, eps: float) -> torch.Tenso
 
 
 def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    if in_capture():
+        return sinkhorn_reference(logits, iters, eps)
     rows = logits.numel() // (logits.shape[-1] * logits.shape[-2])
     if logits.device.type == "cpu" and rows <= _NUMPY_MAX_ROWS and not torch.is_grad_enabled():
         return _sinkhorn_numpy(logits.float(), iters, eps)

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import torch
 
+from runtime.cache.ring_access import RingAccess, ring_access
 from runtime.core.forward_context import ForwardContext
-from runtime.layers.position_ring import RingAccess, gather_ring, ring_access
+from runtime.layers.position_ring import gather_ring
 
 
 def conv_window_access(

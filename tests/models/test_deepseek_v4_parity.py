@@ -215,3 +215,50 @@ def test_indexer_ties_break_the_same_way_in_any_batch(tmp_path):
         )
     )
     torch.testing.assert_close(out.next_token_logits, torch.cat(alone), atol=ATOL, rtol=0)
+
+
+@pytest.fixture(scope="module")
+def all_tied_v4(tmp_path_factory):
+    """A tiny V4 whose indexer queries are zero: every index score is exactly 0, so each CSA
+    selection among more than `index_topk` (3) entries is decided by tie-breaking alone."""
+    from tests.tiny_checkpoints import (
+        make_hf_v4_model,
+        released_state_dict,
+        save_released_checkpoint,
+        tiny_v4_config,
+    )
+
+    config = tiny_v4_config(index_n_heads=2)
+    hf = make_hf_v4_model(config, seed=5)
+    for layer in hf.model.layers:
+        compressor = getattr(layer.self_attn, "compressor", None)
+        if compressor is not None and hasattr(compressor, "indexer"):
+            compressor.indexer.q_b_proj.weight.data.zero_()
+    state = released_state_dict(hf.state_dict(), config["moe_intermediate_size"])
+    return save_released_checkpoint(tmp_path_factory.mktemp("tied"), config, state), hf
+
+
+def test_all_tied_indexer_prefill_matches_transformers(all_tied_v4):
+    path, hf = all_tied_v4
+    assert_prefill_matches_transformers(path, hf, random_ids(45, seed=8), page_size=4)
+
+
+def test_all_tied_indexer_greedy_follows_transformers_generate(all_tied_v4):
+    from runtime import Engine
+
+    path, hf = all_tied_v4
+    engine = Engine(model_path=str(path), dtype="float32", page_size=4)
+    prompts = [random_ids(n, seed=30 + n).tolist() for n in (21, 37, 14)]
+    greedy = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
+    results = engine.generate(input_ids=prompts, sampling_params=greedy)
+    for ids, result in zip(prompts, results):
+        prompt = torch.tensor([ids])
+        with torch.no_grad():
+            out = hf.generate(
+                prompt,
+                attention_mask=torch.ones_like(prompt),
+                max_new_tokens=24,
+                do_sample=False,
+                pad_token_id=0,
+            )
+        assert result["output_ids"] == out[0, len(ids) :].tolist()

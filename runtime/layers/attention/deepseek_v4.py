@@ -2,10 +2,14 @@
 """DeepSeek-V4 attention: sliding window + compressed KV (CSA with the lightning indexer,
 or HCA), single-latent MQA with an attention sink and a grouped output projection.
 
-Math: research/deepseek_v4.md sections 2.5-2.7. Caches: `runtime.cache.deepseek_v4_pool`.
+Math: transformers' `models/deepseek_v4/modeling_deepseek_v4.py`. Caches:
+`runtime.cache.deepseek_v4_pool`.
 
-Window keys and compressor state rows live in position-keyed rings (`position_ring`);
-their gather indices are built once per forward (`ctx.memo`) and shared by all layers.
+Window keys and compressor state rows live in position-keyed rings; every index a layer
+reads comes from the metadata the runner prepared before the forward
+(`runtime.cache.deepseek_v4_metadata`, `ctx.attn_metadata`). A uniform batch (decode,
+verify, draft steps) takes the fixed-shape path a captured step replays; prefill chunks the
+ragged one.
 """
 
 from __future__ import annotations
@@ -15,12 +19,24 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from runtime.cache.deepseek_v4_pool import DeepseekV4KVPool, compressor_overlap
+from runtime.cache.deepseek_v4_metadata import (
+    CompressAccess,
+    DeepseekV4RaggedMetadata,
+    DeepseekV4UniformMetadata,
+    UniformCompress,
+    compressor_overlap,
+)
+from runtime.cache.deepseek_v4_pool import DeepseekV4KVPool
 from runtime.core.forward_context import ForwardContext
-from runtime.kernels.sink_attention import tiled_scores, tiled_sink_attention
+from runtime.kernels.indexer_topk import indexer_topk
+from runtime.kernels.sink_attention import (
+    grouped_sink_attention,
+    tiled_scores,
+    tiled_sink_attention,
+)
 from runtime.layers.linear import MergedColumnParallelLinear, ReplicatedLinear
 from runtime.layers.norm import RMSNorm, WeightlessRMSNorm
-from runtime.layers.position_ring import RingAccess, gather_ring, ring_access
+from runtime.layers.position_ring import gather_ring
 from runtime.layers.rotary import RotaryEmbedding
 from runtime.layers.weight_utils import make_param
 
@@ -35,128 +51,6 @@ class RopeInputs:
 
     def apply(self, x: torch.Tensor, inverse: bool = False) -> torch.Tensor:
         return self.rope.apply(x, self.cos, self.sin, inverse=inverse)
-
-
-# ---------------------------------------------------------------------------------------
-# Per-forward metadata
-# ---------------------------------------------------------------------------------------
-
-
-TILE_ROWS = 32  # prefill rows sharing one gathered key window (see tiled_sink_attention)
-
-
-@dataclass
-class QueryTiles:
-    """Consecutive rows of one request, `TILE_ROWS` at most per tile (decode: one row each).
-    A tile's keys are gathered once for all its rows."""
-
-    rows: torch.Tensor  # [N, R] input rows of each tile; `num_tokens` pads a short tile
-    row_slot: torch.Tensor  # [T] each row's index in the flattened [N * R] layout
-    row_pos: torch.Tensor  # [N, R] position of each tile row, -1 for padding
-    last_row: torch.Tensor  # [N] last real row of each tile
-    req: torch.Tensor  # [N] batch index of each tile
-
-
-def query_tiles(ctx: ForwardContext) -> QueryTiles:
-    def build() -> QueryTiles:
-        device, lens = ctx.device, ctx.extend_lens
-        tile_len = max(1, min(TILE_ROWS, max(ctx.extend_lens_cpu, default=1)))
-        per_req = (lens + tile_len - 1) // tile_len
-        first_tile = torch.cumsum(per_req, 0) - per_req
-        req = torch.repeat_interleave(torch.arange(ctx.batch_size, device=device), per_req)
-        start = (
-            ctx.extend_start_loc[req]
-            + (torch.arange(req.numel(), device=device) - first_tile[req]) * tile_len
-        )
-        end = torch.minimum(start + tile_len, ctx.extend_start_loc[req] + lens[req])
-        rows = start.unsqueeze(1) + torch.arange(tile_len, device=device)
-        rows = torch.where(rows < end.unsqueeze(1), rows, ctx.num_tokens)
-        offset = (
-            torch.arange(ctx.num_tokens, device=device) - ctx.extend_start_loc[ctx.token_to_req]
-        )
-        row_slot = (
-            first_tile[ctx.token_to_req] + offset // tile_len
-        ) * tile_len + offset % tile_len
-        row_pos = torch.cat([ctx.positions, ctx.positions.new_full((1,), -1)])[rows]
-        return QueryTiles(rows, row_slot, row_pos, end - 1, req)
-
-    return ctx.memo("v4.tiles", build)
-
-
-@dataclass
-class WindowAccess:
-    ring: RingAccess  # reads: each tile's key positions; writes: the window ring
-    valid: torch.Tensor  # [N, R, W + R - 1] key visible to the tile row: p - window < k <= p
-
-
-def window_access(ctx: ForwardContext, pool: DeepseekV4KVPool, window: int) -> WindowAccess:
-    """Sliding-window keys of every tile: its rows read positions `p - window + 1 .. p`."""
-
-    def build() -> WindowAccess:
-        tiles = query_tiles(ctx)
-        width = window + tiles.rows.shape[1] - 1
-        offsets = torch.arange(width - 1, -1, -1, device=ctx.device)
-        key_pos = ctx.positions[tiles.last_row].unsqueeze(1) - offsets
-        ring = ring_access(ctx, tiles.last_row, key_pos, pool.swa_ring, pool.swa_kv[0].shape[0])
-        row_pos, key_pos = tiles.row_pos.unsqueeze(2), key_pos.unsqueeze(1)
-        valid = (key_pos >= 0) & (key_pos <= row_pos) & (key_pos > row_pos - window)
-        return WindowAccess(ring, valid)
-
-    return ctx.memo("v4.window", build)
-
-
-@dataclass
-class CompressAccess:
-    """One compress ratio's per-forward addressing, shared by every layer of that ratio."""
-
-    ratio: int
-    state: RingAccess  # reads: the pooled rows of each new entry's window
-    boundary_rows: torch.Tensor  # [B] rows whose position closes a block
-    entry_pos: torch.Tensor  # [B] first position of each new entry's block (its rope position)
-    entry_loc: torch.Tensor  # [B] compressed-pool row of each new entry
-    req_loc: torch.Tensor  # [bs, C] compressed-pool rows of each request's entries
-    read_loc: torch.Tensor  # [T, C] the entries each row may see (its request's)
-    read_valid: torch.Tensor  # [T, C] entry j visible to a row at p iff j < (p + 1) // ratio
-    tile_valid: torch.Tensor  # [N, R, C] the same for each query tile row
-
-
-def compress_access(ctx: ForwardContext, pool: DeepseekV4KVPool, ratio: int) -> CompressAccess:
-    def build() -> CompressAccess:
-        device, pos = ctx.device, ctx.positions
-        boundary_rows = ((pos + 1) % ratio == 0).nonzero().squeeze(1)
-        window = compressor_overlap(ratio) * ratio
-        key_pos = pos[boundary_rows].unsqueeze(1) - torch.arange(window - 1, -1, -1, device=device)
-        ring = pool.state_ring(ratio)
-        state = ring_access(ctx, boundary_rows, key_pos, ring, pool.max_reqs * ring)
-
-        req_slots = ctx.req_pool_indices
-        entry_pos = pos[boundary_rows] // ratio * ratio
-        first_slot = ctx.req_to_token[req_slots[ctx.token_to_req[boundary_rows]], entry_pos]
-        entry_loc = pool.compressed_loc(ratio, first_slot)
-
-        num_entries = max(ctx.seq_lens_cpu) // ratio if ctx.batch_size else 0
-        block_starts = torch.arange(num_entries, device=device) * ratio
-        loc_per_req = pool.compressed_loc(
-            ratio, ctx.req_to_token[req_slots.unsqueeze(1), block_starts]
-        )
-        read_loc = loc_per_req[ctx.token_to_req]
-        entries = torch.arange(num_entries, device=device)
-        read_valid = entries < ((pos + 1) // ratio).unsqueeze(1)
-        row_pos = query_tiles(ctx).row_pos.unsqueeze(2)
-        tile_valid = entries < torch.div(row_pos + 1, ratio, rounding_mode="floor")
-        return CompressAccess(
-            ratio,
-            state,
-            boundary_rows,
-            entry_pos,
-            entry_loc,
-            loc_per_req,
-            read_loc,
-            read_valid,
-            tile_valid,
-        )
-
-    return ctx.memo(f"v4.compress.{ratio}", build)
 
 
 # ---------------------------------------------------------------------------------------
@@ -181,6 +75,24 @@ class DeepseekV4Compressor(nn.Module):
         self.ape = make_param((ratio, width), torch.float32)
         self.norm = RMSNorm(dim, eps)
 
+    def state_rows(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Each row's `[kv | gate + ape]` state (fp32)."""
+        kv, gate = self.fused_wkv_wgate(x).float().chunk(2, dim=-1)
+        return torch.cat([kv, gate + self.ape[positions % self.ratio]], dim=-1)
+
+    def make_entries(
+        self,
+        rows: torch.Tensor,
+        valid: torch.Tensor,
+        entry_pos: torch.Tensor,
+        rope: RotaryEmbedding,
+        dtype: torch.dtype,
+    ) -> torch.Tensor:
+        """Pooled, normed and rotated entries from their blocks' state rows."""
+        entries = self.norm(self._pool(rows, valid).to(dtype))
+        cos, sin = rope.cos_sin(entry_pos)
+        return rope.apply(entries, cos, sin)
+
     def forward(
         self,
         x: torch.Tensor,
@@ -190,17 +102,32 @@ class DeepseekV4Compressor(nn.Module):
         entry_buf: torch.Tensor,
         rope: RotaryEmbedding,
     ) -> None:
-        kv, gate = self.fused_wkv_wgate(x).float().chunk(2, dim=-1)
-        state_rows = torch.cat([kv, gate + self.ape[ctx.positions % self.ratio]], dim=-1)
+        """Ragged rows: entries for the rows that close a block, then the ring writes."""
+        state_rows = self.state_rows(x, ctx.positions)
         if access.boundary_rows.numel():
-            entries = self._pool(
-                gather_ring(state_buf, state_rows, access.state.read_idx), access.state.read_valid
-            ).to(x.dtype)
-            entries = self.norm(entries)
-            cos, sin = rope.cos_sin(access.entry_pos)
-            entry_buf[access.entry_loc] = rope.apply(entries, cos, sin).to(entry_buf.dtype)
+            window = gather_ring(state_buf, state_rows, access.state.read_idx)
+            entries = self.make_entries(
+                window, access.state.read_valid, access.entry_pos, rope, x.dtype
+            )
+            entry_buf[access.entry_loc] = entries.to(entry_buf.dtype)
         write = access.state
         state_buf[write.write_loc] = state_rows[write.write_rows]
+
+    def forward_uniform(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        access: UniformCompress,
+        state_buf: torch.Tensor,
+        entry_buf: torch.Tensor,
+        rope: RotaryEmbedding,
+    ) -> None:
+        """Uniform rows: write every state row, pool an entry at every row, keep the ones
+        that close a block (the others land on the trash row)."""
+        state_buf[access.state_write] = self.state_rows(x, positions)
+        window = state_buf[access.state_read]
+        entries = self.make_entries(window, access.state_valid, access.entry_pos, rope, x.dtype)
+        entry_buf[access.entry_write] = entries.to(entry_buf.dtype)
 
     def _pool(self, rows: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         """`rows [B, overlap*ratio, 2*overlap*dim]` -> entries `[B, dim]` (fp32)."""
@@ -231,39 +158,56 @@ class DeepseekV4Indexer(nn.Module):
             config.hidden_size, self.head_dim, ratio, config.rms_norm_eps
         )
 
+    def queries(self, qr: torch.Tensor, rope: RopeInputs) -> torch.Tensor:
+        return rope.apply(self.wq_b(qr).view(-1, self.num_heads, self.head_dim)).float()
+
+    def weigh(self, x: torch.Tensor, scores: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+        """Per-head relu scores `[T, heads, C]` -> index scores `[T, C]` (-inf if unseen)."""
+        scores = torch.relu(scores) * self.head_dim**-0.5
+        weights = self.weights_proj(x).float() * self.num_heads**-0.5
+        total = torch.bmm(weights.unsqueeze(1), scores).squeeze(1)
+        return total.masked_fill(~visible, float("-inf"))
+
     def forward(
         self,
         x: torch.Tensor,
         qr: torch.Tensor,
         ctx: ForwardContext,
+        tiles,
         access: CompressAccess,
         state_buf: torch.Tensor,
         key_buf: torch.Tensor,
         rope: RopeInputs,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns `(selected [T, k], valid [T, k])`: positions in each row's entry list."""
+        """Ragged rows. Returns `(selected [T, k], valid [T, k])`: positions in each row's
+        entry list."""
         self.compressor(x, ctx, access, state_buf, key_buf, rope.rope)
-        num_entries = access.read_loc.shape[1]
-        if num_entries == 0:
+        if access.read_loc.shape[1] == 0:
             empty = access.read_loc.new_zeros((x.shape[0], 0))
             return empty, empty.bool()
-        q = rope.apply(self.wq_b(qr).view(-1, self.num_heads, self.head_dim))
-        tiles = query_tiles(ctx)
         keys = key_buf[access.req_loc[tiles.req]]  # [N, C, d]: each tile's request's keys
-        scores = tiled_scores(q.float(), tiles.rows, tiles.row_slot, keys.float())
-        scores = torch.relu(scores) * self.head_dim**-0.5
-        weights = self.weights_proj(x).float() * self.num_heads**-0.5
-        total = (
-            torch.bmm(weights.unsqueeze(1), scores)
-            .squeeze(1)
-            .masked_fill(~access.read_valid, float("-inf"))
-        )
-        # Ties are common (relu zeroes whole scores); a stable sort breaks them toward the
-        # older entry, the same way whatever the batch looks like (topk's order is unspecified).
-        selected = total.sort(dim=-1, descending=True, stable=True).indices[
-            :, : min(self.topk, num_entries)
-        ]
-        return selected, access.read_valid.gather(1, selected)
+        scores = tiled_scores(self.queries(qr, rope), tiles.rows, tiles.row_slot, keys.float())
+        total = self.weigh(x, scores, access.read_valid)
+        return indexer_topk(total, access.topk_len, access.visible, self.topk)
+
+    def forward_uniform(
+        self,
+        x: torch.Tensor,
+        qr: torch.Tensor,
+        meta: DeepseekV4UniformMetadata,
+        access: UniformCompress,
+        state_buf: torch.Tensor,
+        key_buf: torch.Tensor,
+        rope: RopeInputs,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Uniform rows: `(selected [N, k], valid [N, k])` as in `forward`."""
+        self.compressor.forward_uniform(x, meta.positions, access, state_buf, key_buf, rope.rope)
+        bs, rows = meta.num_reqs, meta.rows_per_req
+        keys = key_buf[access.entry_rows].float()  # [bs, C, d]
+        q = self.queries(qr, rope).view(bs, rows * self.num_heads, self.head_dim)
+        scores = torch.bmm(q, keys.transpose(1, 2)).view(bs * rows, self.num_heads, -1)
+        total = self.weigh(x, scores, access.entry_visible)
+        return indexer_topk(total, access.topk_len, access.visible, self.topk)
 
 
 class DeepseekV4Attention(nn.Module):
@@ -312,19 +256,27 @@ class DeepseekV4Attention(nn.Module):
         return self.wo_b(self._grouped_wo_a(out))
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext, rope: RopeInputs) -> torch.Tensor:
-        pool: DeepseekV4KVPool = ctx.kv_pool
+        meta = ctx.attn_metadata
         qr, q, kv = self.project(x, rope.cos, rope.sin)
-        tiles = query_tiles(ctx)
+        if isinstance(meta, DeepseekV4UniformMetadata):
+            attn = self._attend_uniform(x, qr, q, kv, ctx.kv_pool, meta, rope)
+        else:
+            attn = self._attend_ragged(x, qr, q, kv, ctx, meta, rope)
+        return self.output(attn, rope.cos, rope.sin)
 
+    def _attend_ragged(
+        self, x, qr, q, kv, ctx: ForwardContext, meta: DeepseekV4RaggedMetadata, rope: RopeInputs
+    ) -> torch.Tensor:
+        pool: DeepseekV4KVPool = ctx.kv_pool
+        tiles, window = meta.tiles, meta.window
         swa_buf = pool.swa_kv[self.cache_layer]
-        window = window_access(ctx, pool, self.window)
         tile_kv, tile_valid = gather_ring(swa_buf, kv, window.ring.read_idx), window.valid
         swa_buf[window.ring.write_loc] = kv[window.ring.write_rows].to(swa_buf.dtype)
 
         row_kv = row_valid = None
         if self.compressor is not None:
             layer = self.cache_layer
-            access = compress_access(ctx, pool, self.compress_ratio)
+            access = meta.compress[self.compress_ratio]
             self.compressor(
                 x, ctx, access, pool.compressor_state[layer], pool.compressed_kv[layer], rope.rope
             )
@@ -334,11 +286,20 @@ class DeepseekV4Attention(nn.Module):
                 tile_valid = torch.cat([tile_valid, access.tile_valid], dim=2)
             else:  # CSA: each row's own top-k entries
                 selected, row_valid = self.indexer(
-                    x, qr, ctx, access, pool.indexer_state[layer], pool.indexer_k[layer], rope
+                    x,
+                    qr,
+                    ctx,
+                    tiles,
+                    access,
+                    pool.indexer_state[layer],
+                    pool.indexer_k[layer],
+                    rope,
                 )
-                row_kv = pool.compressed_kv[layer][access.read_loc.gather(1, selected)]
+                num_entries = access.read_loc.shape[1]
+                rows = access.read_loc.gather(1, selected.clamp(max=max(num_entries - 1, 0)))
+                row_kv = pool.compressed_kv[layer][rows]
 
-        attn = tiled_sink_attention(
+        return tiled_sink_attention(
             q,
             tiles.rows,
             tiles.row_slot,
@@ -349,7 +310,50 @@ class DeepseekV4Attention(nn.Module):
             self.attn_sink,
             self.scale,
         )
-        return self.output(attn, rope.cos, rope.sin)
+
+    def _attend_uniform(
+        self, x, qr, q, kv, pool: DeepseekV4KVPool, meta: DeepseekV4UniformMetadata, rope
+    ) -> torch.Tensor:
+        """Every new row is written first; all keys then come from the caches."""
+        bs, rows = meta.num_reqs, meta.rows_per_req
+        swa_buf = pool.swa_kv[self.cache_layer]
+        swa_buf[meta.window.write] = kv.to(swa_buf.dtype)
+        tile_kv, tile_valid = swa_buf[meta.window.read], meta.window.valid
+
+        row_kv = row_valid = None
+        if self.compressor is not None:
+            layer = self.cache_layer
+            access = meta.compress[self.compress_ratio]
+            entry_buf = pool.compressed_kv[layer]
+            self.compressor.forward_uniform(
+                x, meta.positions, access, pool.compressor_state[layer], entry_buf, rope.rope
+            )
+            if self.indexer is None:
+                tile_kv = torch.cat([tile_kv, entry_buf[access.entry_rows]], dim=1)
+                visible = access.entry_visible.view(bs, rows, -1)
+                tile_valid = torch.cat([tile_valid, visible], dim=2)
+            else:
+                selected, row_valid = self.indexer.forward_uniform(
+                    x,
+                    qr,
+                    meta,
+                    access,
+                    pool.indexer_state[layer],
+                    pool.indexer_k[layer],
+                    rope,
+                )
+                per_row = access.entry_rows.repeat_interleave(rows, dim=0)
+                picked = per_row.gather(1, selected.clamp(max=access.num_entries - 1))
+                row_kv = entry_buf[picked]
+        return grouped_sink_attention(
+            q.view(bs, rows, self.num_heads, self.head_dim),
+            tile_kv,
+            tile_valid,
+            row_kv,
+            row_valid,
+            self.attn_sink,
+            self.scale,
+        )
 
     def _grouped_wo_a(self, out: torch.Tensor) -> torch.Tensor:
         """Group g (heads `g*H/G .. (g+1)*H/G - 1`) goes through its own `o_lora_rank` block."""

@@ -5,6 +5,12 @@
 projections; `w2_weight [E_local, H, I]` its down projection. Experts are split over the
 expert-parallel group in contiguous blocks; each rank computes its local experts and the
 partial outputs are summed across the group.
+
+Two formulations of the same sum. Eager: (token, expert) pairs sorted by expert through one
+grouped GEMM per projection (counts and offsets depend on the routing). Captured steps
+(decode-sized batches): each pair multiplies by its expert's weights gathered per pair, a
+batched GEMM of fixed shape `[T * k]` (no sort, no counts); on CPU the compiler fuses the
+gather into the product, which beats the sorted form up to a few hundred pairs.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from runtime.core.capture import in_capture
 from runtime.distributed import ParallelGroup, all_reduce
 from runtime.kernels.grouped_gemm import grouped_gemm
 from runtime.layers.weight_utils import copy_checked, expect_loads, make_param
@@ -90,6 +97,8 @@ class FusedMoEExperts(nn.Module):
         self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     ) -> torch.Tensor:
         """`x [T, H]`, `topk_weights/ids [T, k]` -> `sum_k w_k * expert_{id_k}(x)`, `[T, H]`."""
+        if in_capture():
+            return all_reduce(self.forward_gathered(x, topk_weights, topk_ids), self.ep)
         num_tokens, top_k = topk_ids.shape
         flat_ids = topk_ids.flatten() - self.first_local_expert
         token_of = torch.arange(num_tokens, device=x.device).repeat_interleave(top_k)
@@ -106,3 +115,20 @@ class FusedMoEExperts(nn.Module):
         down = down * flat_weights[order].unsqueeze(-1).to(down.dtype)
         out = torch.zeros_like(x).index_add_(0, rows, down)
         return all_reduce(out, self.ep)
+
+    def forward_gathered(
+        self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """The fixed-shape formulation (this rank's experts; others contribute zero)."""
+        num_tokens, top_k = topk_ids.shape
+        local = topk_ids.flatten() - self.first_local_expert
+        weights = topk_weights.flatten()
+        if self.ep.size > 1:
+            mine = (local >= 0) & (local < self.num_local_experts)
+            weights, local = weights * mine, local.clamp(0, self.num_local_experts - 1)
+        rows = x.unsqueeze(1).expand(num_tokens, top_k, x.shape[-1]).reshape(-1, 1, x.shape[-1])
+        gate_up = torch.bmm(rows, self.w13_weight[local].transpose(1, 2))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
+        hidden = swiglu(gate, up, self.swiglu_limit)
+        down = torch.bmm(hidden, self.w2_weight[local].transpose(1, 2)).view(num_tokens, top_k, -1)
+        return (down * weights.view(num_tokens, top_k, 1).to(down.dtype)).sum(dim=1)

@@ -1,0 +1,66 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Top-k of the DeepSeek-V4 lightning indexer, with exact ties broken as transformers does.
+
+`scores [N, C]` (entries a row may not see already `-inf`), `visible [N]` how many leading
+entries each row sees, `lengths [N]` how many entries the reference's `topk` runs over for
+that row. transformers' `DeepseekV4Indexer` calls `index_scores.topk(min(k, T))` on the `T`
+compressed entries of its cache: `T = (p + 1) // ratio` for a decoded token, `T = S // ratio`
+for every row of an `S`-token prefill (later entries masked to `-inf`). Relu zeroes whole
+scores, so exact ties are common, and which of several tied entries `topk` keeps depends on
+the length of the tensor it runs over; a row's choice here depends only on its own
+`lengths` entry, never on the batch around it or on padding (speculative verify, batched
+unlike plain decode, relies on that).
+
+Where no tie straddles the k-th place every tie rule keeps the same set, and one fixed-size
+`topk` over the padded row decides. Rows with such a tie go through `topk` over exactly
+their first `lengths` entries, grouped by length. Returns `(indices [N, k], valid [N, k])`,
+indices ascending (the order the reference's block mask visits them in), an index valid
+iff it is below `visible`; `C < k` is padded. It is a custom op with a fake implementation,
+so a compiled step sees one opaque node of fixed output shape. Inside CUDA graph capture the
+grouped fix-up (it needs the host) is skipped: CUDA's `topk` breaks ties its own way anyway.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def indexer_topk_reference(
+    scores: torch.Tensor, lengths: torch.Tensor, visible: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row by row, as transformers does it (the test oracle)."""
+    rows = []
+    for row, length in zip(scores, lengths.tolist()):
+        picked = row[:length].topk(min(k, length)).indices if length else row[:0].long()
+        rows.append(F.pad(picked.sort().values, (0, k - picked.numel()), value=scores.shape[1]))
+    indices = torch.stack(rows) if rows else scores.new_zeros((0, k), dtype=torch.long)
+    return indices, indices < visible.unsqueeze(1)
+
+
+@torch.library.custom_op("nextn::indexer_topk", mutates_args=())
+def indexer_topk(
+    scores: torch.Tensor, lengths: torch.Tensor, visible: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    num_rows, width = scores.shape
+    if width <= k:  # everything fits: the selection is every entry (padded to k)
+        indices = torch.arange(k, device=scores.device).expand(num_rows, k).contiguous()
+        return indices, indices < visible.unsqueeze(1)
+    values, indices = scores.topk(k + 1, dim=1)
+    indices = indices[:, :k].contiguous()
+    tied = (values[:, k - 1] == values[:, k]) & (visible > k)
+    capturing = scores.is_cuda and torch.cuda.is_current_stream_capturing()
+    if not capturing and bool(tied.any()):
+        tied_rows = tied.nonzero().squeeze(1)
+        tied_lengths = lengths[tied_rows]
+        for length in torch.unique(tied_lengths).tolist():
+            group = tied_rows[tied_lengths == length]
+            indices[group] = scores[group, :length].topk(k, dim=1).indices
+    indices = indices.sort(dim=1).values
+    return indices, indices < visible.unsqueeze(1)
+
+
+@indexer_topk.register_fake
+def _(scores, lengths, visible, k):
+    shape = (scores.shape[0], k)
+    return scores.new_empty(shape, dtype=torch.long), scores.new_empty(shape, dtype=torch.bool)
