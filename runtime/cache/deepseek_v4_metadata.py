@@ -26,6 +26,7 @@ at the end of the forward, a decoded or verified row's those complete at its own
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +36,8 @@ from runtime.core.forward_context import ForwardContext
 from runtime.core.forward_mode import ForwardMode
 
 TILE_ROWS = 32  # prefill rows sharing one gathered key window (see tiled_sink_attention)
+
+EntryCount = Callable[[int, int], int]  # (ratio, entries needed) -> entries laid out
 
 
 def compressor_overlap(ratio: int) -> int:
@@ -85,11 +88,14 @@ class UniformCompress:
 
 @dataclass
 class DeepseekV4UniformMetadata:
-    num_reqs: int
     rows_per_req: int
     positions: torch.Tensor  # [N]
     window: UniformWindow
     compress: dict[int, UniformCompress]
+
+    @property
+    def num_reqs(self) -> int:
+        return self.window.read.shape[0]
 
     def dynamic_dims(self) -> list[tuple[torch.Tensor, int]]:
         """(tensor, dim) pairs that grow with the context (the entry count `C`)."""
@@ -106,9 +112,10 @@ def entries_needed(ctx: ForwardContext, ratio: int) -> int:
 
 
 def uniform_metadata(
-    ctx: ForwardContext, pool, entries: dict[int, int] | None = None
+    ctx: ForwardContext, pool, entries: EntryCount | None = None
 ) -> DeepseekV4UniformMetadata:
-    """`entries[ratio]`: the entry count `C` to lay out (default: what the batch needs)."""
+    """`entries(ratio, needed)`: the entry count `C` to lay out for a batch whose longest
+    request has `needed` entries (default: exactly those)."""
     bs, q = ctx.batch_size, ctx.extend_lens_cpu[0]
     device, slots = ctx.device, ctx.req_pool_indices
     positions = ctx.positions
@@ -130,7 +137,9 @@ def uniform_metadata(
         entry_pos = positions // ratio * ratio
         first_slot = ctx.req_to_token[row_slot, entry_pos]
         closes = (positions + 1) % ratio == 0
-        count = entries_needed(ctx, ratio) if entries is None else entries[ratio]
+        count = entries_needed(ctx, ratio)
+        if entries is not None:
+            count = entries(ratio, count)
         starts = (torch.arange(count, device=device) * ratio).clamp(
             max=ctx.req_to_token.shape[1] - 1
         )
@@ -149,7 +158,7 @@ def uniform_metadata(
             entry_visible=torch.arange(count, device=device) < visible.unsqueeze(1),
             topk_len=topk_lengths(ctx, ratio, visible),
         )
-    return DeepseekV4UniformMetadata(bs, q, positions, swa, compress)
+    return DeepseekV4UniformMetadata(q, positions, swa, compress)
 
 
 # ---------------------------------------------------------------------------------------
@@ -283,7 +292,7 @@ def is_uniform(ctx: ForwardContext, max_rows_per_req: int) -> bool:
 
 
 def prepare_metadata(
-    ctx: ForwardContext, pool, entries: dict[int, int] | None = None
+    ctx: ForwardContext, pool, entries: EntryCount | None = None
 ) -> DeepseekV4UniformMetadata | DeepseekV4RaggedMetadata:
     if ctx.forward_mode is not ForwardMode.EXTEND and is_uniform(ctx, pool.max_pass):
         return uniform_metadata(ctx, pool, entries)

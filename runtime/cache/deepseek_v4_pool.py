@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from runtime.cache.deepseek_v4_metadata import compressor_overlap, prepare_metadata
+from runtime.cache.deepseek_v4_metadata import EntryCount, compressor_overlap, prepare_metadata
 from runtime.cache.pool_geometry import PoolGeometry
 from runtime.core.forward_context import ForwardContext
 
@@ -77,9 +77,11 @@ class DeepseekV4KVPool:
                 self.indexer_k[layer] = self._compressed_buffer(ratio, layout.index_head_dim, dtype)
 
     # per-forward metadata -----------------------------------------------------------------
-    def prepare(self, ctx: ForwardContext, entries: dict[int, int] | None = None):
+    capturable = True  # uniform batches have fixed-shape metadata (`prepare`)
+
+    def prepare(self, ctx: ForwardContext, entries: EntryCount | None = None):
         """The addressing every layer of this forward reads (`deepseek_v4_metadata`);
-        `entries[ratio]` pads the compressed entry count of a uniform batch."""
+        `entries(ratio, needed)` pads the compressed entry count of a uniform batch."""
         return prepare_metadata(ctx, self, entries)
 
     # geometry -----------------------------------------------------------------------------

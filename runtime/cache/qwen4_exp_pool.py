@@ -93,7 +93,9 @@ class Qwen4ExpKVPool:
             else {}
         )
 
-    def prepare(self, ctx) -> None:
+    capturable = False  # its layers still build data-dependent addressing in the forward
+
+    def prepare(self, ctx, entries=None) -> None:
         """No shared metadata yet: Qwen4Exp layers build their addressing on first use
         (`ctx.memo`); docs/captured_decode.md describes the prepared form."""
         return None

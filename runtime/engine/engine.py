@@ -23,6 +23,7 @@ import torch
 from runtime.cache.allocator import PagedTokenAllocator
 from runtime.cache.req_to_token_pool import ReqToTokenPool
 from runtime.cache.slot_table import SlotTable
+from runtime.configs.capture import CaptureConfig
 from runtime.configs.model_config import ModelConfig
 from runtime.configs.speculative import SpeculativeConfig
 from runtime.core.errors import InvalidRequestError
@@ -71,6 +72,7 @@ class Engine:
         speculative_num_steps: int | None = None,
         speculative_eagle_topk: int | None = None,
         speculative_num_draft_tokens: int | None = None,
+        capture: CaptureConfig | None = None,
     ):
         model_path = model_path or default_model_path()
         self.spec_config = SpeculativeConfig.resolve(
@@ -104,6 +106,7 @@ class Engine:
             self.slot_table,
             pass_width,
             device=device,
+            capture=capture,
         )
         self.eos_ids = eos_ids = set(
             self.model_config.eos_token_ids
@@ -116,6 +119,7 @@ class Engine:
                 self.slot_table,
                 pass_width,
                 device=device,
+                capture=capture,
             )
             draft.model.set_embed_and_head(*self.runner.model.get_embed_and_head())
             self.worker = NextNWorker(

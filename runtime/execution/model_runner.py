@@ -17,6 +17,7 @@ from torch import nn
 
 from runtime.cache.pool_geometry import PoolGeometry
 from runtime.cache.slot_table import SlotTable
+from runtime.configs.capture import CaptureConfig
 from runtime.configs.model_config import ModelConfig
 from runtime.core.forward_context import ForwardContext
 from runtime.core.forward_mode import CaptureHiddenMode, ForwardMode
@@ -50,6 +51,7 @@ class ModelRunner:
         slot_table: SlotTable,
         max_tokens_per_pass: int = 1,
         device: str = "cpu",
+        capture: CaptureConfig | None = None,
     ):
         self.model, self.model_config = model, model_config
         self.slot_table, self.device = slot_table, device
@@ -64,6 +66,13 @@ class ModelRunner:
         )
         self.kv_pool = self.model.create_cache_pool(model_config.hf_config, geometry)
         logger.info("%s", self.kv_pool.describe())
+        self.graph_runner = None
+        if capture is not None and capture.enabled:
+            from runtime.execution.graph_runner import GraphRunner
+
+            self.graph_runner = GraphRunner(self, capture, slot_table.req_pool.max_reqs)
+            if self.graph_runner.capturable:
+                logger.info("%s", self.graph_runner.describe())
 
     def build_context(self, inp: ModelInput) -> ForwardContext:
         rows = inp.logits_row_indices
@@ -88,14 +97,30 @@ class ModelRunner:
         ctx.attn_metadata = self.kv_pool.prepare(ctx)
         return ctx
 
-    @torch.inference_mode()
-    def forward(self, inp: ModelInput) -> LogitsProcessorOutput:
-        ctx = self.build_context(inp)
+    def call_model(
+        self,
+        ctx: ForwardContext,
+        input_ids: torch.Tensor,
+        captured_hidden_states: torch.Tensor | None,
+        spec_step_idx: int,
+    ) -> LogitsProcessorOutput:
+        """The model forward on a prepared context (what a captured step records)."""
         return self.model(
             ctx,
-            inp.input_ids.to(self.device),
+            input_ids,
             ctx.positions,
             ctx.out_cache_loc,
-            captured_hidden_states=inp.captured_hidden_states,
-            spec_step_idx=inp.spec_step_idx,
+            captured_hidden_states=captured_hidden_states,
+            spec_step_idx=spec_step_idx,
+        )
+
+    @torch.inference_mode()
+    def forward(self, inp: ModelInput) -> LogitsProcessorOutput:
+        if self.graph_runner is not None:
+            out = self.graph_runner.try_forward(inp)
+            if out is not None:
+                return out
+        ctx = self.build_context(inp)
+        return self.call_model(
+            ctx, inp.input_ids.to(self.device), inp.captured_hidden_states, inp.spec_step_idx
         )

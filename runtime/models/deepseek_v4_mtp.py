@@ -209,6 +209,10 @@ class DeepseekV4ForCausalLMNextN(SharesTargetEmbedHead, nn.Module):
             layer.logits_hidden(streams), self.lm_head, ctx, aux_hidden=streams.flatten(1)
         )
 
+    def canonical_spec_step(self, spec_step_idx: int) -> int:
+        """The smallest step index that runs the same forward (captured steps share it)."""
+        return spec_step_idx % self.model.num_mtp_layers
+
     @property
     def kv_reach(self) -> int | None:
         """How far back a draft row's attention reads: the window when every MTP layer is

@@ -1,0 +1,56 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Settings of captured steps (SGLang's `--cuda-graph-*` / `--enable-torch-compile` flags)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+# SGLang's default capture ladder, cut to what a CPU compiles in reasonable time
+DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256)
+
+
+def default_cache_dir() -> Path:
+    """Where compiled artifacts persist between starts (inductor's FX graph and AOT autograd
+    caches live under it): `$NEXTN_CACHE_DIR`, else `$XDG_CACHE_HOME/nextn-runtime`."""
+    explicit = os.environ.get("NEXTN_CACHE_DIR")
+    if explicit:
+        return Path(explicit)
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "nextn-runtime"
+
+
+@dataclass(frozen=True)
+class CaptureConfig:
+    """`enabled`: capture decode, verify and draft steps (`--disable-cuda-graph` turns it off).
+    `batch_sizes`: the buckets (`--cuda-graph-bs`), default SGLang's ladder up to
+    `max_batch_size` (`--cuda-graph-max-bs`, default the engine's running-request limit).
+    `torch_compile`: on CUDA, compile the step before graph capture (`--enable-torch-compile`);
+    on CPU the capture is always a compile. `background`: compile a bucket on a worker
+    thread the first time it is needed and serve that step eagerly meanwhile (False: compile
+    in the calling thread, which then waits). `cache_dir`: compiled artifacts on disk.
+    `inductor_options`: passed to `torch.compile(options=...)` on CPU."""
+
+    enabled: bool = True
+    batch_sizes: tuple[int, ...] = ()
+    max_batch_size: int | None = None
+    torch_compile: bool = False
+    background: bool = True
+    cache_dir: str | None = None
+    inductor_options: dict = field(default_factory=dict)
+
+    def buckets(self, max_running_requests: int) -> tuple[int, ...]:
+        """Ascending bucket sizes; a batch runs in the smallest bucket that holds it."""
+        limit = self.max_batch_size or max_running_requests
+        sizes = self.batch_sizes or tuple(b for b in DEFAULT_BATCH_SIZES if b < limit) + (limit,)
+        sizes = tuple(sorted({b for b in sizes if 1 <= b <= max(limit, 1)}))
+        if not sizes:
+            raise ValueError(
+                f"no capture batch size within 1..{limit}; check --cuda-graph-bs and "
+                "--cuda-graph-max-bs"
+            )
+        return sizes
+
+    def resolved_cache_dir(self) -> Path:
+        return Path(self.cache_dir) if self.cache_dir else default_cache_dir()

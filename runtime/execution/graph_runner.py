@@ -1,0 +1,393 @@
+# SPDX-License-Identifier: Apache-2.0
+"""`GraphRunner`: decode, verify and draft steps replayed from captured graphs.
+
+A step is capturable when every request runs the same number of rows (decode: 1; target
+verify and the draft over verified rows: steps + 1; chained draft steps: 1) and the cache
+pool lays such a batch out with fixed shapes (`pool.capturable`, `pool.prepare`). One graph
+is kept per step kind and batch bucket (SGLang's `CudaGraphRunner` / `CPUGraphRunner`):
+
+1. the live batch is padded up to the smallest bucket that holds it with copies of the
+   padding request (its rows read and write only the caches' padding rows);
+2. the pool prepares the batch's metadata (gather indices, masks) at the bucket's shapes,
+   the compressed-entry count rounded up (`ENTRY_MULTIPLE`, or the context maximum for
+   CUDA graphs, whose shapes cannot change);
+3. the captured step runs: on CPU a `torch.compile` (inductor) graph of the model forward,
+   the entry count marked dynamic so a growing context does not recompile; on CUDA a
+   `torch.cuda.CUDAGraph` replay after copying the inputs into its static buffers
+   (optionally compiled first, `--enable-torch-compile`);
+4. logits and hidden states are sliced back to the live rows.
+
+A bucket is compiled the first time a step needs it: on a worker thread while the step
+runs eagerly (`CaptureConfig.background`), or in the calling thread. Each (kind, bucket)
+gets a code object of its own, so its dynamo cache holds exactly one graph and the guards
+need not be evaluated on every call. Compiled artifacts persist in inductor's FX graph and
+AOT autograd caches under the runtime cache directory, so a second start only re-traces.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import os
+import queue
+import threading
+import time
+import types
+from collections.abc import Callable
+from dataclasses import dataclass, fields, is_dataclass
+
+import torch
+
+from runtime.configs.capture import CaptureConfig
+from runtime.core.forward_context import ForwardContext
+from runtime.core.forward_mode import CaptureHiddenMode, ForwardMode
+from runtime.core.model_output import LogitsProcessorOutput
+
+logger = logging.getLogger(__name__)
+
+CAPTURED_MODES = (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND)
+ENTRY_MULTIPLE = 16  # compressed-entry counts are padded to this (CPU: a dynamic dim anyway)
+SKIP_GUARDS = os.environ.get("NEXTN_CHECK_GUARDS") is None
+_LOGITS_ALL, _LOGITS_PER_REQUEST = "all rows", "one row per request"
+
+
+@dataclass(frozen=True)
+class StepKey:
+    mode: ForwardMode
+    rows_per_req: int
+    bucket: int
+    capture_hidden: CaptureHiddenMode
+    logits: str  # _LOGITS_ALL or _LOGITS_PER_REQUEST
+    hidden_input: bool
+    spec_step_idx: int
+
+    def describe(self) -> str:
+        rows = "" if self.rows_per_req == 1 else f" x {self.rows_per_req} rows"
+        step = f" step {self.spec_step_idx}" if self.spec_step_idx else ""
+        return f"{self.mode.name.lower()}{step} bs {self.bucket}{rows}"
+
+
+class StepState(enum.Enum):
+    PENDING = "pending"
+    COMPILING = "compiling"
+    READY = "ready"
+    FAILED = "failed"
+
+
+@dataclass
+class CapturedStep:
+    key: StepKey
+    fn: Callable
+    state: StepState = StepState.PENDING
+    seconds: float = 0.0
+    error: str | None = None
+    hidden_like: torch.Tensor | None = None  # a [0, D] tensor: the draft's hidden input
+    graph: object = None  # CUDA: (graph, static inputs, static outputs)
+
+
+def fresh_function(fn: Callable, name: str) -> Callable:
+    """A copy of `fn` with a code object of its own (dynamo caches graphs per code object)."""
+    code = fn.__code__.replace(co_name=name)
+    return types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
+
+
+def tensors_of(value) -> list[torch.Tensor]:
+    """Every tensor inside nested dataclasses, dicts, lists and tuples, in a fixed order."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if is_dataclass(value) and not isinstance(value, type):
+        return [t for f in fields(value) for t in tensors_of(getattr(value, f.name))]
+    if isinstance(value, dict):
+        return [t for k in sorted(value) for t in tensors_of(value[k])]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in tensors_of(v)]
+    return []
+
+
+class GraphRunner:
+    def __init__(self, runner, config: CaptureConfig, max_running_requests: int):
+        self.runner, self.config = runner, config
+        self.buckets = config.buckets(max_running_requests)
+        self.device = torch.device(runner.device)
+        self.cuda = self.device.type == "cuda"
+        self.pad_req = runner.slot_table.req_pool.pad_req
+        self.max_context = runner.slot_table.req_pool.max_context_len
+        self._steps: dict[StepKey, CapturedStep] = {}
+        self._lock = threading.Lock()
+        self._queue: queue.Queue[CapturedStep] | None = None
+        if not self.cuda:
+            configure_compiler(config)
+
+    # --- which steps ---------------------------------------------------------------------
+    @property
+    def capturable(self) -> bool:
+        return bool(getattr(self.runner.kv_pool, "capturable", False))
+
+    def bucket_for(self, batch_size: int) -> int | None:
+        return next((b for b in self.buckets if b >= batch_size), None)
+
+    def step_key(self, inp) -> StepKey | None:
+        """The captured step that runs `inp`, or None when it must run eagerly."""
+        if not self.capturable or inp.forward_mode not in CAPTURED_MODES:
+            return None
+        lens = inp.extend_lens
+        q = lens[0] if lens else 0
+        if not 1 <= q <= self.runner.kv_pool.max_pass or any(n != q for n in lens):
+            return None
+        bucket = self.bucket_for(len(lens))
+        if bucket is None:
+            return None
+        rows = logits_rows_of(inp, q)
+        if rows is None:
+            logits = _LOGITS_ALL
+        elif len(rows) == len(lens):
+            logits = _LOGITS_PER_REQUEST
+        else:
+            return None
+        canonical = getattr(self.runner.model, "canonical_spec_step", None)
+        return StepKey(
+            inp.forward_mode,
+            q,
+            bucket,
+            inp.capture_hidden_mode,
+            logits,
+            inp.captured_hidden_states is not None,
+            inp.spec_step_idx if canonical is None else canonical(inp.spec_step_idx),
+        )
+
+    # --- running -------------------------------------------------------------------------
+    def try_forward(self, inp) -> LogitsProcessorOutput | None:
+        """Run `inp` through its captured step; None when it is not capturable or its bucket
+        is not compiled yet (the caller then runs it eagerly)."""
+        key = self.step_key(inp)
+        if key is None:
+            return None
+        step = self._step(key, inp.captured_hidden_states)
+        if step.state is StepState.PENDING:
+            self._schedule(step)
+        if step.state is not StepState.READY:
+            return None
+        batch = self.padded_batch(inp, key)
+        return self._run(step, batch, len(inp.extend_lens))
+
+    def padded_batch(self, inp, key: StepKey) -> tuple[ForwardContext, torch.Tensor, object]:
+        """The live batch padded to `key.bucket` requests: (context with metadata, input ids,
+        hidden states or None)."""
+        bs, q, pad = len(inp.extend_lens), key.rows_per_req, key.bucket - len(inp.extend_lens)
+        rows = logits_rows_of(inp, q)
+        if rows is not None:
+            rows = [int(r) for r in rows] + [(bs + j) * q + q - 1 for j in range(pad)]
+        ctx = ForwardContext.build(
+            key.mode,
+            list(inp.req_pool_indices) + [self.pad_req] * pad,
+            list(inp.prefix_lens) + [0] * pad,
+            [q] * key.bucket,
+            out_cache_loc=None,
+            req_to_token=self.runner.slot_table.req_to_token,
+            kv_pool=self.runner.kv_pool,
+            capture_hidden_mode=key.capture_hidden,
+            logits_row_indices=rows,
+        )
+        ctx.attn_metadata = self.runner.kv_pool.prepare(ctx, self._entries)
+        # always fresh tensors made here (under inference mode, like the metadata), so every
+        # call presents the graph the same kind of tensor
+        ids = inp.input_ids.to(self.device)
+        ids = torch.cat([ids, ids.new_zeros(pad * q)])
+        hidden = inp.captured_hidden_states
+        if hidden is not None:
+            hidden = torch.cat([hidden, hidden.new_zeros((pad * q, hidden.shape[1]))])
+        return ctx, ids, hidden
+
+    def _entries(self, ratio: int, needed: int) -> int:
+        """Compressed entries laid out for a captured step (see the module docstring)."""
+        if self.cuda:
+            return max(2, -(-self.max_context // ratio))
+        return max(ENTRY_MULTIPLE, -(-needed // ENTRY_MULTIPLE) * ENTRY_MULTIPLE)
+
+    def _run(self, step: CapturedStep, batch, batch_size: int) -> LogitsProcessorOutput:
+        ctx, ids, hidden = batch
+        key = step.key
+        if self.cuda:
+            logits, states = self._replay_cuda_graph(step, batch)
+        else:
+            mark_dynamic_dims(ctx)
+            with torch.compiler.set_stance(skip_guard_eval_unsafe=SKIP_GUARDS):
+                logits, states = step.fn(ctx, ids, hidden, key.spec_step_idx)
+        rows = batch_size * key.rows_per_req
+        logits = logits[: batch_size if key.logits == _LOGITS_PER_REQUEST else rows]
+        if states is not None:
+            per_request = (
+                key.capture_hidden is CaptureHiddenMode.LAST and key.logits == _LOGITS_PER_REQUEST
+            )
+            states = states[: batch_size if per_request else rows]
+        if self.cuda:  # the graph's outputs are overwritten by the next replay
+            logits = logits.clone()
+            states = None if states is None else states.clone()
+        return LogitsProcessorOutput(logits, states)
+
+    # --- compiling -----------------------------------------------------------------------
+    def _step(self, key: StepKey, hidden: torch.Tensor | None) -> CapturedStep:
+        with self._lock:
+            step = self._steps.get(key)
+            if step is None:
+                name = f"captured_{key.mode.name.lower()}_{key.rows_per_req}x{key.bucket}"
+                like = None if hidden is None else hidden.new_zeros((0, hidden.shape[1]))
+                step = CapturedStep(key, self._step_function(name), hidden_like=like)
+                self._steps[key] = step
+            return step
+
+    def _step_function(self, name: str) -> Callable:
+        call_model = self.runner.call_model
+
+        def step(ctx, input_ids, hidden, spec_step_idx):
+            out = call_model(ctx, input_ids, hidden, spec_step_idx)
+            return out.next_token_logits, out.hidden_states
+
+        fn = fresh_function(step, name)
+        if self.cuda and not self.config.torch_compile:
+            return fn
+        options = None if self.cuda else dict(self.config.inductor_options)
+        mode = "max-autotune-no-cudagraphs" if self.cuda else None
+        return torch.compile(fn, dynamic=False, mode=mode, options=options)
+
+    def _schedule(self, step: CapturedStep) -> None:
+        if not self.config.background:
+            self._compile(step)
+            return
+        with self._lock:
+            if step.state is not StepState.PENDING:
+                return
+            step.state = StepState.COMPILING
+            if self._queue is None:
+                self._queue = queue.Queue()
+                threading.Thread(target=self._compile_loop, name="capture", daemon=True).start()
+        self._queue.put(step)
+
+    def _compile_loop(self) -> None:
+        while True:
+            self._compile(self._queue.get())
+
+    def _compile(self, step: CapturedStep) -> None:
+        """Capture `step` on a batch made only of padding rows (it writes only padding rows
+        of the caches, so it may run beside eager steps on live requests)."""
+        step.state = StepState.COMPILING
+        start = time.perf_counter()
+        try:
+            with torch.inference_mode():
+                batch = self.padded_batch(self._padding_input(step), step.key)
+                if self.cuda:
+                    self._capture_cuda_graph(step, batch)
+                else:
+                    mark_dynamic_dims(batch[0])
+                    step.fn(batch[0], batch[1], batch[2], step.key.spec_step_idx)
+        except Exception as err:  # a step that cannot be captured keeps running eagerly
+            step.state, step.error = StepState.FAILED, f"{type(err).__name__}: {err}"
+            logger.warning("capture of %s failed, it runs eagerly: %s", step.key.describe(), err)
+            return
+        step.seconds = time.perf_counter() - start
+        step.state = StepState.READY
+        logger.info("captured %s in %.1f s", step.key.describe(), step.seconds)
+
+    def _padding_input(self, step: CapturedStep):
+        """A zero-request input of the step's shape (padding fills the whole bucket)."""
+        from runtime.execution.model_runner import ModelInput
+
+        key = step.key
+        return ModelInput(
+            key.mode,
+            torch.zeros(0, dtype=torch.long),
+            [],
+            [],
+            [],
+            capture_hidden_mode=key.capture_hidden,
+            captured_hidden_states=step.hidden_like,
+            logits_row_indices=[] if key.logits == _LOGITS_PER_REQUEST else None,
+            spec_step_idx=key.spec_step_idx,
+        )
+
+    def wait_until_idle(self, timeout: float | None = None) -> bool:
+        """Block until no bucket is compiling (tests, benchmarks). False on timeout."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while any(s.state is StepState.COMPILING for s in list(self._steps.values())):
+            if deadline is not None and time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
+        return True
+
+    # --- CUDA graphs ---------------------------------------------------------------------
+    def _capture_cuda_graph(self, step: CapturedStep, batch) -> None:
+        """Warm up on a side stream, then record the step into a CUDA graph whose inputs are
+        `batch`'s tensors (later batches are copied into them)."""
+        ctx, ids, hidden = batch
+        args = (ctx, ids, hidden, step.key.spec_step_idx)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                step.fn(*args)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outputs = step.fn(*args)
+        step.graph = (graph, batch, outputs)
+
+    def _replay_cuda_graph(self, step: CapturedStep, batch):
+        graph, static, outputs = step.graph
+        for dst, src in zip(tensors_of(static), tensors_of(batch), strict=True):
+            if dst.data_ptr() != src.data_ptr():  # the shared caches are the same tensors
+                dst.copy_(src)
+        graph.replay()
+        return outputs
+
+    # --- reporting -----------------------------------------------------------------------
+    def describe(self) -> str:
+        backend = "CUDA graphs" if self.cuda else "torch.compile (inductor)"
+        if self.cuda and self.config.torch_compile:
+            backend = "torch.compile + CUDA graphs"
+        when = (
+            "compiled on first use in the background"
+            if self.config.background
+            else ("compiled on first use")
+        )
+        return f"captured steps: {backend}, buckets {list(self.buckets)}, {when}"
+
+    def compiled_steps(self) -> list[tuple[str, str, float]]:
+        """(step, state, seconds) of every step seen so far."""
+        return [(s.key.describe(), s.state.value, s.seconds) for s in self._steps.values()]
+
+
+def logits_rows_of(inp, rows_per_req: int) -> list[int] | None:
+    """The rows `inp` wants logits for (None: all)."""
+    rows = inp.logits_row_indices
+    if isinstance(rows, torch.Tensor):
+        return rows.tolist()
+    if rows is None or isinstance(rows, (list, tuple)):
+        return rows
+    # the runner's default: each request's last row for a draft extend, every row otherwise
+    if inp.forward_mode is not ForwardMode.DRAFT_EXTEND:
+        return None
+    return [(b + 1) * rows_per_req - 1 for b in range(len(inp.extend_lens))]
+
+
+def mark_dynamic_dims(ctx: ForwardContext) -> None:
+    """The dims that grow with the context (compressed entries) stay symbolic in the graph."""
+    for tensor, dim in getattr(ctx.attn_metadata, "dynamic_dims", list)():
+        torch._dynamo.mark_dynamic(tensor, dim)
+
+
+def configure_compiler(config: CaptureConfig) -> None:
+    """Point inductor's on-disk caches (FX graphs, AOT autograd, compiled kernels) at the
+    runtime cache directory unless the user chose one. Dims marked dynamic stay distinct
+    symbols even when their sizes happen to match (no duck shaping: the entry counts of two
+    compress ratios are equal at one step and not at the next)."""
+    import torch.fx.experimental._config as fx_config
+
+    fx_config.use_duck_shape = False
+    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+        path = config.resolved_cache_dir() / "inductor"
+        path.mkdir(parents=True, exist_ok=True)
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path)
+    import torch._inductor.config as inductor_config
+
+    inductor_config.fx_graph_cache = True
+    inductor_config.autotune_local_cache = True

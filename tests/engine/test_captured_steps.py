@@ -1,0 +1,255 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Captured decode, verify and draft steps (`runtime.execution.graph_runner`).
+
+Each capturable step traces to one graph without a break (so a change that breaks capture
+fails here), and replaying a captured step gives what the eager step gives: logits within
+the parity tolerance, the same greedy tokens for plain decoding and NEXTN, with live
+batches padded into a larger bucket and requests joining and leaving between replays.
+Compiling costs minutes on a CPU; only the runner-level test compiles in the default run,
+the engine-level ones are `slow`.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from runtime import Engine
+from runtime.cache import PagedTokenAllocator, ReqToTokenPool, SlotTable
+from runtime.configs.capture import CaptureConfig
+from runtime.configs.model_config import ModelConfig
+from runtime.core.forward_mode import CaptureHiddenMode, ForwardMode
+from runtime.execution.graph_runner import GraphRunner
+from runtime.execution.model_runner import ModelInput, ModelRunner
+from runtime.model_loader.build import load_model
+from runtime.models.registry import model_classes
+from tests.tiny_checkpoints import (
+    build_tiny_qwen4_exp_mtp_checkpoint,
+    build_tiny_v4_mtp_checkpoint,
+)
+
+ATOL = 1e-4  # the parity tests' tolerance on fp32 logits
+BUCKET = 4
+
+
+def bucket_config(**overrides) -> CaptureConfig:
+    return CaptureConfig(**{"batch_sizes": (BUCKET,), "background": False, **overrides})
+
+
+def make_runners(path, steps=3, capture=None, draft=True):
+    """Target (and draft) runners sharing one slot table, as the engine builds them."""
+    config = ModelConfig.from_path(str(path), "float32")
+    table = SlotTable(ReqToTokenPool(8, 256), PagedTokenAllocator(256, 4))
+    target = ModelRunner(load_model(config, None, progress=False), config, table, steps + 1)
+    if capture is not None:
+        target.graph_runner = GraphRunner(target, capture, 8)
+    if not draft:
+        return table, target, None
+    draft_cls = model_classes()[type(target.model).draft_architecture]
+    drafter = ModelRunner(load_model(config, draft_cls, progress=False), config, table, steps + 1)
+    drafter.model.set_embed_and_head(*target.model.get_embed_and_head())
+    return table, target, drafter
+
+
+def prefill(table, runner, prompts):
+    reqs = []
+    for _ in prompts:
+        req = table.open_request()
+        table.reserve(req, 128)
+        reqs.append(req)
+    ids = torch.tensor([t for p in prompts for t in p])
+    runner.forward(
+        ModelInput(
+            ForwardMode.EXTEND,
+            ids,
+            reqs,
+            [0] * len(prompts),
+            [len(p) for p in prompts],
+            capture_hidden_mode=CaptureHiddenMode.FULL,
+        )
+    )
+    return reqs
+
+
+def prompts_of(lengths, seed=0, vocab=97):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(2, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+# ---------------------------------------------------------------------------------------
+# one graph, no break
+
+
+def assert_one_graph(runner: ModelRunner, inp: ModelInput) -> None:
+    """The step `inp` runs traces into exactly one graph (padded into the bucket where the
+    pool supports captured steps, as the graph runner runs it)."""
+    graph_runner = GraphRunner(runner, bucket_config(), 8)
+    key = graph_runner.step_key(inp)
+    if graph_runner.capturable:
+        assert key is not None, "a uniform decode/verify/draft step must be capturable"
+        ctx, ids, hidden = graph_runner.padded_batch(inp, key)
+        step_idx = key.spec_step_idx
+    else:
+        ctx, ids, hidden = runner.build_context(inp), inp.input_ids, inp.captured_hidden_states
+        step_idx = inp.spec_step_idx
+
+    def step(ctx, ids, hidden):
+        out = runner.call_model(ctx, ids, hidden, step_idx)
+        return out.next_token_logits, out.hidden_states
+
+    with torch.inference_mode():
+        explanation = torch._dynamo.explain(step)(ctx, ids, hidden)
+    reasons = [b.reason for b in explanation.break_reasons]
+    assert (explanation.graph_count, explanation.graph_break_count) == (1, 0), reasons
+
+
+def nextn_step_inputs(table, target, drafter, steps=3):
+    """Three requests (bucket 4 pads one) after a prefill: the target's decode and verify
+    inputs, the draft's extend over verified rows and a chained draft step."""
+    prompts = prompts_of((9, 21, 30))
+    reqs = prefill(table, target, prompts)
+    width, hidden_width = steps + 1, None
+    prefix = [len(p) for p in prompts]
+    verify = ModelInput(
+        ForwardMode.TARGET_VERIFY,
+        torch.arange(3 * width) + 5,
+        reqs,
+        prefix,
+        [width] * 3,
+        capture_hidden_mode=CaptureHiddenMode.FULL,
+        logits_row_indices=None,
+    )
+    hidden_width = target.forward(verify).hidden_states.shape[1]
+    decode = ModelInput(ForwardMode.DECODE, torch.tensor([3, 4, 5]), reqs, prefix, [1] * 3)
+    draft_extend = ModelInput(
+        ForwardMode.DRAFT_EXTEND,
+        torch.arange(3 * width) + 7,
+        reqs,
+        prefix,
+        [width] * 3,
+        capture_hidden_mode=CaptureHiddenMode.LAST,
+        captured_hidden_states=torch.randn(3 * width, hidden_width),
+        logits_row_indices=[0, width + 2, 2 * width + 1],
+    )
+    draft_step = ModelInput(
+        ForwardMode.DECODE,
+        torch.tensor([8, 9, 10]),
+        reqs,
+        [p + 2 for p in prefix],
+        [1] * 3,
+        capture_hidden_mode=CaptureHiddenMode.LAST,
+        captured_hidden_states=torch.randn(3, hidden_width),
+        spec_step_idx=1,
+    )
+    return {"decode": decode, "verify": verify}, {"extend": draft_extend, "step": draft_step}
+
+
+@pytest.fixture(scope="module")
+def v4_mtp(tmp_path_factory):
+    return build_tiny_v4_mtp_checkpoint(tmp_path_factory.mktemp("capture_v4"), seed=7)[0]
+
+
+@pytest.fixture(scope="module")
+def qwen_mtp(tmp_path_factory):
+    return build_tiny_qwen4_exp_mtp_checkpoint(tmp_path_factory.mktemp("capture_qwen"), seed=9)[0]
+
+
+@pytest.mark.parametrize(
+    "family",
+    [
+        "deepseek_v4",
+        pytest.param(
+            "qwen4_exp",
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="Qwen4Exp layers still build data-dependent addressing inside the "
+                "forward (docs/captured_decode.md); drop this mark when they read prepared "
+                "metadata",
+            ),
+        ),
+    ],
+)
+def test_decode_verify_and_draft_steps_trace_to_one_graph(family, request):
+    path = request.getfixturevalue("v4_mtp" if family == "deepseek_v4" else "qwen_mtp")
+    table, target, drafter = make_runners(path)
+    target_steps, draft_steps = nextn_step_inputs(table, target, drafter)
+    for inp in target_steps.values():
+        assert_one_graph(target, inp)
+    for inp in draft_steps.values():
+        assert_one_graph(drafter, inp)
+
+
+# ---------------------------------------------------------------------------------------
+# captured == eager
+
+
+def test_captured_decode_matches_eager_logits_with_padding_and_churn(tiny_v4):
+    """Decode steps of 1 to 4 live requests in bucket 4 (requests join and leave between
+    steps, contexts grow past one padded entry count of the compressed layers): each
+    captured step's logits equal the eager step's on the same caches."""
+    path, _ = tiny_v4
+    table, runner, _ = make_runners(path, capture=bucket_config(), draft=False)
+    graph_runner = runner.graph_runner
+    prompts = prompts_of((30, 7, 66, 12), seed=3)
+    live = dict(zip(range(3), prefill(table, runner, prompts[:3])))
+    lengths = {i: len(prompts[i]) for i in live}
+    tokens = {i: prompts[i][-1] for i in live}
+    for step in range(8):
+        if step == 3:  # a fourth request joins
+            live[3] = prefill(table, runner, prompts[3:4])[0]
+            lengths[3], tokens[3] = len(prompts[3]), prompts[3][-1]
+        if step == 6:  # two leave
+            del live[0], live[2]
+        order = sorted(live)
+        inp = ModelInput(
+            ForwardMode.DECODE,
+            torch.tensor([tokens[i] for i in order]),
+            [live[i] for i in order],
+            [lengths[i] for i in order],
+            [1] * len(order),
+        )
+        runner.graph_runner = None
+        eager = runner.forward(inp).next_token_logits
+        runner.graph_runner = graph_runner
+        captured = runner.forward(inp).next_token_logits
+        assert captured.shape == eager.shape == (len(order), eager.shape[1])
+        torch.testing.assert_close(captured, eager, atol=ATOL, rtol=0, msg=f"step {step}")
+        for i, token in zip(order, eager.argmax(-1).tolist()):
+            tokens[i], lengths[i] = token, lengths[i] + 1
+    assert [s for _, s, _ in graph_runner.compiled_steps()] == ["ready"]
+
+
+# ---------------------------------------------------------------------------------------
+# engine level: greedy tokens (slow: compiles the target decode, verify and draft steps)
+
+GREEDY = {"temperature": 0, "ignore_eos": True}
+
+
+def staggered_generate(engine, prompts, lengths):
+    """Requests join while others run and leave at different times (different lengths)."""
+    reqs = []
+    for i, (ids, n) in enumerate(zip(prompts, lengths)):
+        reqs.append(engine.make_request(ids, {**GREEDY, "max_new_tokens": n}))
+        engine.add_request(reqs[-1])
+        for _ in range(i % 3):
+            engine.step()
+    while engine.has_work():
+        engine.step()
+    return [list(r.output_ids) for r in reqs]
+
+
+@pytest.mark.slow
+def test_captured_engines_equal_eager_plain_and_transformers(v4_mtp):
+    prompts = prompts_of((5, 23, 40, 11, 33), seed=4)
+    lengths = [30, 12, 25, 40, 18]
+    eager = Engine(model_path=str(v4_mtp), dtype="float32", page_size=4)
+    reference = staggered_generate(eager, prompts, lengths)
+    for spec in ({}, {"speculative_algorithm": "NEXTN", "speculative_num_steps": 3}):
+        engine = Engine(
+            model_path=str(v4_mtp), dtype="float32", page_size=4, capture=bucket_config(), **spec
+        )
+        assert staggered_generate(engine, prompts, lengths) == reference, spec
+        runners = [engine.runner] + ([engine.worker.drafter.runner] if spec else [])
+        for runner in runners:
+            states = runner.graph_runner.compiled_steps()
+            assert states and all(s == "ready" for _, s, _ in states), states
