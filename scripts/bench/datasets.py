@@ -152,7 +152,9 @@ def file_requests(
     ]
 
 
-def requests_from_args(args, *, vocab_size: int | None = None, tokenizer=None, text: bool = False):
+def requests_from_args(
+    args, *, vocab_size: int | None = None, tokenizer=None, text: bool = False
+) -> list[BenchRequest]:
     """The dataset the flags of `scripts.bench.flags.add_dataset_args` ask for; random prompts
     are text when `text` (decoded by `tokenizer`), else token ids from `vocab_size`."""
     if args.dataset_name == "file":
