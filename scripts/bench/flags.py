@@ -1,21 +1,24 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The command-line flags the benchmarks share, each written once with its default.
+"""The command-line flags the benchmarks share, each written once.
 
 Names follow SGLang's `bench_one_batch`, `bench_offline_throughput` and `bench_serving`
 (`--dataset-name`, `--random-input-len`, `--random-range-ratio`, ...) and the server's own
 flags (`--page-size`, `--max-total-tokens`, `--chunked-prefill-size`, the speculative ones).
+Engine settings take their defaults (and, where the flag is the engine's own, their help)
+from `runtime.configs.engine_config.EngineConfig`, so a benchmark measures what `Engine()`
+and `launch_server` run.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 
-# The engine's defaults, so a benchmark measures what `Engine()` and `launch_server` run.
-DEFAULT_PAGE_SIZE = 1
-DEFAULT_MAX_TOTAL_TOKENS = 65536
-DEFAULT_MAX_RUNNING_REQUESTS = 64
-DEFAULT_CHUNKED_PREFILL_SIZE = 512  # the server's; -1 turns chunking off
+from runtime.configs.engine_config import DEFAULT_MAX_RUNNING_REQUESTS, EngineConfig
+
+ENGINE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
+DEFAULT_MAX_TOTAL_TOKENS = ENGINE_DEFAULTS["max_total_tokens"]
 
 
 def new_parser(prog: str, doc: str) -> argparse.ArgumentParser:
@@ -38,7 +41,9 @@ def add_model_args(parser: argparse.ArgumentParser, steps_sweep: bool = True) ->
         default=None,
         help="checkpoint directory (default: the engine's embedded tiny model)",
     )
-    g.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
+    g.add_argument(
+        "--dtype", default=ENGINE_DEFAULTS["dtype"], help="auto, float32, bfloat16 or float16"
+    )
     g.add_argument("--speculative-algorithm", default=None, help="NEXTN (aliases MTP, EAGLE)")
     g.add_argument(
         "--speculative-num-steps",
@@ -62,7 +67,8 @@ def add_model_args(parser: argparse.ArgumentParser, steps_sweep: bool = True) ->
         "--max-running-requests",
         type=int,
         default=DEFAULT_MAX_RUNNING_REQUESTS,
-        help="request slots; the same for every variant so they compare fairly",
+        help="request slots; the same for every variant so they compare fairly (the engine "
+        "itself defaults to fewer with NEXTN)",
     )
     g.add_argument(
         "--threads",
@@ -83,18 +89,12 @@ def add_model_args(parser: argparse.ArgumentParser, steps_sweep: bool = True) ->
 def add_cache_args(
     parser: argparse.ArgumentParser, *, max_total_tokens: bool = True, chunked_prefill: bool = True
 ) -> None:
-    """--page-size, and optionally --max-total-tokens and --chunked-prefill-size."""
-    parser.add_argument("--page-size", type=int, default=DEFAULT_PAGE_SIZE)
-    if max_total_tokens:
-        parser.add_argument("--max-total-tokens", type=int, default=DEFAULT_MAX_TOTAL_TOKENS)
-    if chunked_prefill:
-        parser.add_argument(
-            "--chunked-prefill-size",
-            type=int,
-            default=DEFAULT_CHUNKED_PREFILL_SIZE,
-            help=f"prefill tokens per step, -1 for no chunking (server default "
-            f"{DEFAULT_CHUNKED_PREFILL_SIZE})",
-        )
+    """The engine's --page-size, and optionally --max-total-tokens and --chunked-prefill-size
+    (names, defaults and help from `EngineConfig`)."""
+    names = ["page_size"]
+    names += ["max_total_tokens"] if max_total_tokens else []
+    names += ["chunked_prefill_size"] if chunked_prefill else []
+    EngineConfig.add_cli_args(parser, names=names)
 
 
 def add_dataset_args(parser: argparse.ArgumentParser, num_prompts: int) -> None:

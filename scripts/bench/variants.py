@@ -66,7 +66,7 @@ def set_threads(threads: int) -> int:
 
 def resolve_model_path(model_path: str | None) -> str:
     """The checkpoint directory, or the engine's embedded default (FileNotFoundError if absent)."""
-    from runtime.engine.engine import default_model_path
+    from runtime.configs.engine_config import default_model_path
 
     return model_path or default_model_path()
 
