@@ -40,17 +40,15 @@ class OracleDrafter:
     def committed(self, req, prefix, next_tokens, gather_row):
         return req.all_ids[: prefix + 1] + next_tokens[: gather_row + 1]
 
-    def draft(
-        self, reqs, prefix_lens, extend_lens, next_tokens, target_hidden, gather_rows, propose=None
-    ):
-        out, start = [], 0
-        propose = propose or [True] * len(reqs)
-        for req, prefix, n, g, wanted in zip(reqs, prefix_lens, extend_lens, gather_rows, propose):
-            if not wanted:
+    def draft(self, batch):
+        out = []
+        for b, start in enumerate(batch.row_starts()):
+            if not batch.propose[b]:
                 out.append(None)
-                start += n
                 continue
-            seq = self.committed(req, prefix, next_tokens[start : start + n].tolist(), g)
+            req, n = batch.reqs[b], batch.extend_lens[b]
+            rows = batch.next_tokens[start : start + n].tolist()
+            seq = self.committed(req, batch.prefix_lens[b], rows, batch.gather_rows[b])
             reference = self.references[tuple(req.prompt_ids)]
             proposal = (reference[len(seq) :] + [0] * self.steps)[: self.steps]
             out.append(
@@ -59,13 +57,12 @@ class OracleDrafter:
                     for t in proposal
                 ]
             )
-            start += n
         return out
 
 
 class GarbageDrafter(OracleDrafter):
-    def draft(self, reqs, *args, propose=None):
-        return [[self.rng.randrange(self.vocab) for _ in range(self.steps)] for _ in reqs]
+    def draft(self, batch):
+        return [[self.rng.randrange(self.vocab) for _ in range(self.steps)] for _ in batch.reqs]
 
 
 def nextn_engine(path, steps=3, page_size=4, **kw):
@@ -201,7 +198,7 @@ def test_draft_extend_runs_only_the_window_of_a_long_prompt(mtp_ckpt, monkeypatc
         drafter = engine.worker.drafter
         window = drafter.runner.model.kv_reach
         if not skip_rows:
-            monkeypatch.setattr(drafter, "_rows_to_skip", lambda lens, rows: [0] * len(lens))
+            monkeypatch.setattr(drafter, "_rows_to_skip", lambda batch: [0] * batch.batch_size)
         extend_rows, proposals = [], []
         forward, draft = drafter.runner.forward, drafter.draft
 
