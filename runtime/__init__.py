@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
+from runtime.core.version import __version__
 
 
 def __getattr__(name: str):

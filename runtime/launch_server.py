@@ -22,7 +22,7 @@ def build(args: ServerArgs):
     from runtime.engine.engine import Engine
     from runtime.server.app import create_app
 
-    engine = Engine(**args.engine_kwargs(), progress=True)
+    engine = Engine(args.engine_config(), progress=True)
     metrics = None
     if args.enable_metrics:
         from runtime.server.metrics import ServerMetrics
@@ -35,7 +35,7 @@ def build(args: ServerArgs):
 def main(argv: list[str] | None = None) -> None:
     try:
         args = ServerArgs.from_cli(argv)
-    except ValueError as err:  # bad flags fail here, before any weight is read
+    except (ValueError, FileNotFoundError) as err:  # bad flags fail here, before any weight is read
         print(f"launch_server: error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
     logging.basicConfig(
@@ -46,10 +46,10 @@ def main(argv: list[str] | None = None) -> None:
     except (ValueError, FileNotFoundError) as err:
         print(f"launch_server: error: {err}", file=sys.stderr)
         raise SystemExit(1) from None
-    cap = engine.capacity
+    info = engine.info
     print(
-        f"KV cache capacity: {cap['max_total_tokens']} tokens (page size {cap['page_size']}), "
-        f"{cap['max_running_requests']} request slots, {cap['kv_cache_bytes'] / 2**20:.1f} MiB",
+        f"KV cache capacity: {info.max_total_tokens} tokens (page size {info.page_size}), "
+        f"{info.max_running_requests} request slots, {info.kv_cache_bytes / 2**20:.1f} MiB",
         flush=True,
     )
     spec = engine.spec_config

@@ -10,6 +10,10 @@ from tests.tiny_checkpoints import build_tiny_v4_checkpoint
 # subprocesses, spinning thread pools only slow each other down.
 torch.set_num_threads(1)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Captured steps compile for minutes on a CPU: engines built by tests (and servers they
+# launch) run every step eagerly unless a test turns capture back on
+# (tests/engine/test_captured_steps.py covers the captured steps).
+os.environ.setdefault("NEXTN_DISABLE_CUDA_GRAPH", "1")
 
 
 @pytest.fixture(autouse=True)

@@ -7,7 +7,9 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-# SGLang's default capture ladder, cut to what a CPU compiles in reasonable time
+CAPTURE_COMPILE_MODES = ("background", "inline")
+DISABLE_ENV = "NEXTN_DISABLE_CUDA_GRAPH"  # set (non-empty): every engine runs steps eagerly
+# SGLang's default capture ladder
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256)
 
 
@@ -51,6 +53,10 @@ class CaptureConfig:
                 "--cuda-graph-max-bs"
             )
         return sizes
+
+    @staticmethod
+    def disabled_by_env() -> bool:
+        return bool(os.environ.get(DISABLE_ENV))
 
     def resolved_cache_dir(self) -> Path:
         return Path(self.cache_dir) if self.cache_dir else default_cache_dir()

@@ -14,6 +14,9 @@ class TokenOutput:
     logprobs: list[float] | None = None  # of each new token (raw model distribution)
     top_logprobs: list[list[tuple[float, int]]] | None = None
     input_logprobs: list[tuple[int, float | None]] | None = None  # (prompt position, logprob)
+    # speculative decoding
+    num_accepted_drafts: int | None = None  # a verify round: drafts accepted (0..S)
+    draft_tokens: list[int] | None = None  # the drafts the next verify round checks
 
 
 @dataclass

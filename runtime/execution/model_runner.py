@@ -105,14 +105,7 @@ class ModelRunner:
         spec_step_idx: int,
     ) -> LogitsProcessorOutput:
         """The model forward on a prepared context (what a captured step records)."""
-        return self.model(
-            ctx,
-            input_ids,
-            ctx.positions,
-            ctx.out_cache_loc,
-            captured_hidden_states=captured_hidden_states,
-            spec_step_idx=spec_step_idx,
-        )
+        return self.model(ctx, input_ids, captured_hidden_states, spec_step_idx)
 
     @torch.inference_mode()
     def forward(self, inp: ModelInput) -> LogitsProcessorOutput:

@@ -7,6 +7,9 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from runtime.core.result import RequestResult
+from runtime.core.stats import EngineStats
+
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
 
@@ -41,33 +44,38 @@ class ServerMetrics:
         self.throughput = gauge("gen_throughput", "Generated tokens per second in the last step")
         self._seen: dict[str, tuple[int, float]] = {}  # rid -> (tokens counted, time of last token)
 
-    def observe_step(self, engine, touched, seconds: float) -> None:
+    def observe_step(self, results: list[RequestResult], stats: EngineStats, seconds: float):
+        """`AsyncEngine`'s `on_step`: runs on the engine loop thread after every step."""
         now = time.perf_counter()
         new_tokens = 0
-        for req in touched:
-            counted, last = self._seen.get(req.rid, (0, req.created_at))
-            fresh = len(req.output_ids) - counted
-            if fresh > 0:
-                if counted == 0 and req.first_token_at is not None:
-                    self.ttft.observe(req.first_token_at - req.created_at)
-                else:
-                    for _ in range(fresh):  # a speculative round spreads its gap over its tokens
-                        self.itl.observe((now - last) / fresh)
-                self.generation_tokens.inc(fresh)
-                new_tokens += fresh
-            self._seen[req.rid] = (len(req.output_ids), now)
-            if req.finished:
-                self._seen.pop(req.rid, None)
+        for result in results:
+            new_tokens += self._observe_tokens(result, now)
+            if result.finished:
+                self._seen.pop(result.rid, None)
                 self.requests.inc()
-                self.prompt_tokens.inc(len(req.prompt_ids))
-                self.e2e.observe((req.finished_at or now) - req.created_at)
-                if req.finish_reason.type == "abort":
+                self.prompt_tokens.inc(result.prompt_tokens)
+                self.e2e.observe(result.timing.e2e_latency)
+                if result.aborted:
                     self.aborted.inc()
-        info = engine.server_info()["internal_states"][0]
-        self.running.set(info["num_running_reqs"])
-        self.waiting.set(info["num_waiting_reqs"])
-        self.token_usage.set(info["token_usage"])
-        if info["avg_spec_accept_length"] is not None:
-            self.accept_length.set(info["avg_spec_accept_length"])
+        self.running.set(stats.num_running_reqs)
+        self.waiting.set(stats.num_waiting_reqs)
+        self.token_usage.set(stats.token_usage)
+        if stats.avg_spec_accept_length is not None:
+            self.accept_length.set(stats.avg_spec_accept_length)
         if seconds > 0:
             self.throughput.set(new_tokens / seconds)
+
+    def _observe_tokens(self, result: RequestResult, now: float) -> int:
+        """Time to first token or inter-token latency of the tokens new since last time."""
+        timing = result.timing
+        counted, last = self._seen.get(result.rid, (0, timing.created_at))
+        fresh = result.completion_tokens - counted
+        if fresh > 0:
+            if counted == 0 and timing.first_token_at is not None:
+                self.ttft.observe(timing.first_token_at - timing.created_at)
+            else:
+                for _ in range(fresh):  # a speculative round spreads its gap over its tokens
+                    self.itl.observe((now - last) / fresh)
+            self.generation_tokens.inc(fresh)
+        self._seen[result.rid] = (result.completion_tokens, now)
+        return max(fresh, 0)

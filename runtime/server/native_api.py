@@ -1,14 +1,23 @@
 # SPDX-License-Identifier: Apache-2.0
-"""SGLang's native `POST /generate`: request parsing and response shaping."""
+"""SGLang's native `POST /generate`: request parsing, the route, and response shaping with
+the engine's SGLang renderer (the same one `Engine.generate` uses)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from fastapi import APIRouter, Request
+from fastapi.responses import StreamingResponse
+
 from runtime.core.errors import InvalidRequestError
 from runtime.core.request import Req
-from runtime.core.sampling_params import SamplingParams
+from runtime.core.result import RequestResult
 from runtime.engine.engine import Engine
+from runtime.engine.sglang_output import render_generate
+from runtime.server.state import ServerState, State
+from runtime.server.streaming import collect, json_body, merged, sse
+
+router = APIRouter()
 
 # Accepted for compatibility but unused by this runtime; a non-null value is refused.
 _UNSUPPORTED = (
@@ -22,18 +31,6 @@ _UNSUPPORTED = (
     "return_hidden_states",
     "token_ids_logprob",
 )
-_KNOWN = {
-    "text",
-    "input_ids",
-    "sampling_params",
-    "stream",
-    "rid",
-    "return_logprob",
-    "logprob_start_len",
-    "top_logprobs_num",
-    "return_text_in_logprobs",
-    *_UNSUPPORTED,
-}
 
 
 def _expect(value, types, name: str):
@@ -53,13 +50,13 @@ class GenerateCall:
     batched: bool
     stream: bool
 
+    @property
+    def requests(self) -> list[Req]:
+        return [r for group in self.groups for r in group]
 
-def parse_generate(body, engine: Engine) -> GenerateCall:
-    if not isinstance(body, dict):
-        raise InvalidRequestError("the request body must be a JSON object")
-    for name in _UNSUPPORTED:
-        if body.get(name) is not None:
-            raise InvalidRequestError(f"'{name}' is not supported by this server")
+
+def _prompts(body: dict, engine: Engine) -> tuple[list, bool]:
+    """(prompts as token id lists, whether the body is a batch)."""
     text, input_ids = body.get("text"), body.get("input_ids")
     if (text is None) == (input_ids is None):
         raise InvalidRequestError("send exactly one of 'text' or 'input_ids'")
@@ -76,42 +73,67 @@ def parse_generate(body, engine: Engine) -> GenerateCall:
         prompts = input_ids if batched else [input_ids]
     if batched and not prompts:
         raise InvalidRequestError("empty batch: send at least one prompt")
-    params = body.get("sampling_params")
-    if isinstance(params, list):
-        if len(params) != len(prompts):
-            raise InvalidRequestError("'sampling_params' list must have one entry per prompt")
-    else:
-        _expect(params, dict, "sampling_params")
-        params = [params] * len(prompts)
+    return prompts, batched
+
+
+def _per_prompt(value, count: int, name: str, kind: type) -> list:
+    """`value` spread over `count` prompts: a list must have one entry each, a single value
+    (or null) is shared."""
+    if isinstance(value, list):
+        if len(value) != count:
+            raise InvalidRequestError(f"'{name}' list must have one entry per prompt")
+        for item in value:
+            _expect(item, kind, name)
+        return value
+    _expect(value, kind, name)
+    return [value] * count
+
+
+def parse_generate(body, engine: Engine) -> GenerateCall:
+    if not isinstance(body, dict):
+        raise InvalidRequestError("the request body must be a JSON object")
+    for name in _UNSUPPORTED:
+        if body.get(name) is not None:
+            raise InvalidRequestError(f"'{name}' is not supported by this server")
+    prompts, batched = _prompts(body, engine)
+    params = _per_prompt(body.get("sampling_params"), len(prompts), "sampling_params", dict)
+    rids = _per_prompt(body.get("rid"), len(prompts), "rid", str)
+    if isinstance(body.get("rid"), str) and len(prompts) > 1:
+        raise InvalidRequestError("'rid' must be a list with one id per prompt for a batch")
     stream = bool(_expect(body.get("stream", False), bool, "stream"))
-    return_logprob = bool(_expect(body.get("return_logprob", False), bool, "return_logprob"))
-    top_n = _expect(body.get("top_logprobs_num", 0), int, "top_logprobs_num") or 0
     start = _expect(body.get("logprob_start_len", -1), int, "logprob_start_len")
-    rids = body.get("rid")
-    rids = rids if isinstance(rids, list) else [rids] * len(prompts)
-    groups = []
-    for i, (ids, p) in enumerate(zip(prompts, params)):
-        parsed = SamplingParams.from_dict(p)
-        group = []
-        for k in range(parsed.n):
-            rid = rids[i] if rids[i] is None or parsed.n == 1 else f"{rids[i]}-{k}"
-            group.append(
-                engine.make_request(
-                    ids,
-                    parsed,
-                    rid=rid,
-                    return_logprob=return_logprob,
-                    top_logprobs_num=top_n,
-                    logprob_start_len=-1 if start is None else start,
-                )
-            )
-        groups.append(group)
+    options = dict(
+        return_logprob=bool(_expect(body.get("return_logprob", False), bool, "return_logprob")),
+        top_logprobs_num=_expect(body.get("top_logprobs_num", 0), int, "top_logprobs_num") or 0,
+        logprob_start_len=-1 if start is None else start,
+    )
+    groups = [
+        engine.make_requests(ids, p, rid=rid, **options)
+        for ids, p, rid in zip(prompts, params, rids)
+    ]
     return GenerateCall(groups, batched, stream)
 
 
-def response_shape(call: GenerateCall, results: list[list[dict]]):
-    """One object for one prompt and n = 1, else lists (SGLang's layout)."""
-    flat = [r for group in results for r in group]
-    if not call.batched and len(flat) == 1:
-        return flat[0]
-    return flat
+def response_shape(call: GenerateCall, results: list[RequestResult]):
+    """One object for one prompt and n = 1, else a flat list (SGLang's layout)."""
+    rendered = [render_generate(r) for r in results]
+    return rendered[0] if not call.batched and len(rendered) == 1 else rendered
+
+
+async def _stream(state: ServerState, reqs: list[Req], indexed: bool):
+    async for index, snapshot in merged(state.engine, reqs):
+        payload = render_generate(snapshot)
+        if indexed:
+            payload["index"] = index
+        yield sse(payload)
+    yield sse("[DONE]")
+
+
+@router.post("/generate")
+async def generate(request: Request, state: State):
+    call = parse_generate(await json_body(request), state.core)
+    reqs = call.requests
+    if call.stream:
+        indexed = call.batched or len(reqs) > 1
+        return StreamingResponse(_stream(state, reqs, indexed), media_type="text/event-stream")
+    return response_shape(call, await collect(request, state.engine, reqs))

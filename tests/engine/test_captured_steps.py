@@ -16,7 +16,7 @@ import torch
 
 from runtime import Engine
 from runtime.cache import PagedTokenAllocator, ReqToTokenPool, SlotTable
-from runtime.configs.capture import CaptureConfig
+from runtime.configs.capture import DISABLE_ENV, CaptureConfig
 from runtime.configs.model_config import ModelConfig
 from runtime.core.forward_mode import CaptureHiddenMode, ForwardMode
 from runtime.execution.graph_runner import GraphRunner
@@ -239,15 +239,17 @@ def staggered_generate(engine, prompts, lengths):
 
 
 @pytest.mark.slow
-def test_captured_engines_equal_eager_plain_and_transformers(v4_mtp):
+def test_captured_engines_equal_eager_plain(v4_mtp, monkeypatch):
+    """Plain and NEXTN engines replaying captured steps (bucket 4, 1 to 4 live requests)
+    give the eager plain engine's greedy tokens (which equal transformers', see
+    test_engine.py)."""
     prompts = prompts_of((5, 23, 40, 11, 33), seed=4)
     lengths = [30, 12, 25, 40, 18]
-    eager = Engine(model_path=str(v4_mtp), dtype="float32", page_size=4)
-    reference = staggered_generate(eager, prompts, lengths)
+    common = dict(model_path=str(v4_mtp), dtype="float32", page_size=4)
+    reference = staggered_generate(Engine(**common, disable_cuda_graph=True), prompts, lengths)
+    monkeypatch.delenv(DISABLE_ENV, raising=False)
     for spec in ({}, {"speculative_algorithm": "NEXTN", "speculative_num_steps": 3}):
-        engine = Engine(
-            model_path=str(v4_mtp), dtype="float32", page_size=4, capture=bucket_config(), **spec
-        )
+        engine = Engine(**common, cuda_graph_bs=[BUCKET], capture_compile="inline", **spec)
         assert staggered_generate(engine, prompts, lengths) == reference, spec
         runners = [engine.runner] + ([engine.worker.drafter.runner] if spec else [])
         for runner in runners:

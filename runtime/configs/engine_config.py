@@ -1,0 +1,211 @@
+# SPDX-License-Identifier: Apache-2.0
+"""`EngineConfig`: every engine setting, its default and its check, written once.
+
+`Engine(config, **overrides)`, `ServerArgs` (which adds the HTTP-only flags) and the
+benchmark scripts all read these fields. Names and meanings follow SGLang's
+`server_args.py`; like SGLang's `ServerArgs.add_cli_args` / `from_cli_args`, each field
+carries its own help text so the command-line flags are generated from the dataclass:
+
+    parser = argparse.ArgumentParser()
+    EngineConfig.add_cli_args(parser, names=("model_path", "dtype"))
+    config = EngineConfig.from_cli_args(parser.parse_args())
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import typing
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from runtime.configs.capture import CAPTURE_COMPILE_MODES, DISABLE_ENV, CaptureConfig
+from runtime.configs.model_config import SUPPORTED_DTYPES, resolve_dtype
+from runtime.configs.speculative import SpeculativeConfig
+
+DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "assets" / "deepseek_v4_tiny"
+# SGLang's defaults when memory does not decide: 64 request slots, 48 with EAGLE/NEXTN.
+DEFAULT_MAX_RUNNING_REQUESTS = 64
+SPECULATIVE_MAX_RUNNING_REQUESTS = 48
+
+
+def default_model_path() -> str:
+    """The embedded tiny DeepSeek-V4 + MTP checkpoint shipped in the package."""
+    if not (DEFAULT_MODEL_DIR / "config.json").is_file():
+        raise FileNotFoundError(
+            f"no --model-path given and the embedded default model is missing at "
+            f"{DEFAULT_MODEL_DIR}; pass --model-path or reinstall the package"
+        )
+    return str(DEFAULT_MODEL_DIR)
+
+
+def _known_dtype(dtype) -> bool:
+    """`auto`, a name or alias `resolve_dtype` knows (e.g. bf16), or a supported torch dtype."""
+    try:
+        resolve_dtype(dtype)
+    except ValueError:
+        return False
+    return True
+
+
+def setting(default, help: str, *aliases: str):
+    """A dataclass field that also describes its command-line flag."""
+    return field(default=default, metadata={"help": help, "aliases": aliases})
+
+
+@dataclass
+class EngineConfig:
+    model_path: str | None = setting(
+        None,
+        "checkpoint directory (default: the embedded tiny DeepSeek-V4 + MTP model)",
+        "--model",
+    )
+    tokenizer_path: str | None = setting(None, "tokenizer directory (default: the model path)")
+    dtype: str = setting("auto", f"one of {', '.join(SUPPORTED_DTYPES)}")
+    device: str = setting("cpu", "torch device")
+    page_size: int = setting(1, "tokens per KV cache page")
+    max_total_tokens: int = setting(65536, "KV cache capacity in tokens")
+    max_running_requests: int | None = setting(
+        None,
+        f"request slots (default {DEFAULT_MAX_RUNNING_REQUESTS}, "
+        f"{SPECULATIVE_MAX_RUNNING_REQUESTS} with speculative decoding)",
+    )
+    chunked_prefill_size: int | None = setting(512, "prefill tokens per step (-1: no chunking)")
+    context_length: int | None = setting(
+        None, "prompt + output tokens per request (default: the model's max positions)"
+    )
+    random_seed: int | None = setting(None, "seed of the engine's sampling generator")
+    skip_tokenizer_init: bool = setting(False, "load no tokenizer: clients send input_ids")
+    speculative_algorithm: str | None = setting(None, "NEXTN (aliases MTP, EAGLE)")
+    speculative_num_steps: int | None = setting(None, "draft steps per round (default 3)")
+    speculative_eagle_topk: int | None = setting(None, "1 (chain drafting)")
+    speculative_num_draft_tokens: int | None = setting(None, "verify width (steps + 1)")
+    disable_cuda_graph: bool = setting(
+        False,
+        "run decode, verify and draft steps eagerly instead of replaying captured graphs "
+        f"(torch.compile graphs on CPU, CUDA graphs on GPU; also off when ${DISABLE_ENV} is set)",
+    )
+    cuda_graph_max_bs: int | None = setting(
+        None, "largest captured batch size (default: --max-running-requests)"
+    )
+    cuda_graph_bs: list[int] | None = setting(
+        None, "captured batch sizes (default 1, 2, 4, 8, 12, 16, 24, 32, ... up to the max)"
+    )
+    enable_torch_compile: bool = setting(
+        False,
+        "CUDA: torch.compile the captured steps before graph capture (on CPU the capture is "
+        "always a compile)",
+    )
+    capture_compile: str = setting(
+        "background",
+        "when a batch bucket's graph is built: background (its steps run eagerly until it is "
+        "ready) or inline (the first step that needs it waits)",
+    )
+
+    # checks ------------------------------------------------------------------------------
+    def capture_config(self) -> CaptureConfig:
+        return CaptureConfig(
+            enabled=not self.disable_cuda_graph and not CaptureConfig.disabled_by_env(),
+            batch_sizes=tuple(self.cuda_graph_bs or ()),
+            max_batch_size=self.cuda_graph_max_bs,
+            torch_compile=self.enable_torch_compile,
+            background=self.capture_compile == "background",
+        )
+
+    def speculative_config(self) -> SpeculativeConfig | None:
+        """The resolved speculative shape, None when speculation is off (ValueError if bad)."""
+        return SpeculativeConfig.resolve(
+            self.speculative_algorithm,
+            self.speculative_num_steps,
+            self.speculative_eagle_topk,
+            self.speculative_num_draft_tokens,
+        )
+
+    def resolve(self):
+        """Fill the defaults that depend on other settings and reject bad ones, in place
+        (ValueError; FileNotFoundError for a missing checkpoint). Returns self."""
+        spec = self.speculative_config()
+        if spec:
+            self.speculative_algorithm, self.speculative_num_steps = spec.algorithm, spec.num_steps
+            self.speculative_eagle_topk = spec.eagle_topk
+            self.speculative_num_draft_tokens = spec.num_draft_tokens
+        if self.max_running_requests is None:
+            self.max_running_requests = (
+                SPECULATIVE_MAX_RUNNING_REQUESTS if spec else DEFAULT_MAX_RUNNING_REQUESTS
+            )
+        self.model_path = str(self.model_path) if self.model_path else default_model_path()
+        if not Path(self.model_path).is_dir():
+            raise FileNotFoundError(
+                f"--model-path '{self.model_path}' does not exist or is not a directory"
+            )
+        for ok, message in self._checks():
+            if not ok:
+                raise ValueError(message)
+        return self
+
+    def _checks(self) -> list[tuple[bool, str]]:
+        chunk = self.chunked_prefill_size
+        dtypes = ", ".join(SUPPORTED_DTYPES)
+        return [
+            (
+                _known_dtype(self.dtype),
+                f"--dtype '{self.dtype}' is not supported; use one of {dtypes}",
+            ),
+            (self.page_size >= 1, f"--page-size must be >= 1, got {self.page_size}"),
+            (self.max_running_requests >= 1, "--max-running-requests must be >= 1"),
+            (self.max_total_tokens >= self.page_size, "--max-total-tokens must be >= --page-size"),
+            (
+                chunk is None or chunk == -1 or chunk >= 1,
+                "--chunked-prefill-size must be -1 (off) or >= 1",
+            ),
+            (
+                self.context_length is None or self.context_length >= 2,
+                "--context-length must be >= 2",
+            ),
+            (
+                self.capture_compile in CAPTURE_COMPILE_MODES,
+                f"--capture-compile must be one of {', '.join(CAPTURE_COMPILE_MODES)}",
+            ),
+            (
+                self.cuda_graph_max_bs is None or self.cuda_graph_max_bs >= 1,
+                "--cuda-graph-max-bs must be >= 1",
+            ),
+            (
+                all(b >= 1 for b in self.cuda_graph_bs or ()),
+                "--cuda-graph-bs sizes must be >= 1",
+            ),
+        ]
+
+    # command line ------------------------------------------------------------------------
+    @classmethod
+    def add_cli_args(
+        cls, parser: argparse.ArgumentParser, names: Iterable[str] | None = None
+    ) -> None:
+        """Add `--flag` per field (all, or those in `names`), defaults from the dataclass."""
+        wanted = None if names is None else set(names)
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            if wanted is not None and f.name not in wanted:
+                continue
+            flags = ["--" + f.name.replace("_", "-"), *f.metadata.get("aliases", ())]
+            kind = [t for t in typing.get_args(hints[f.name]) if t is not type(None)]
+            kind = kind[0] if kind else hints[f.name]
+            options = dict(dest=f.name, default=f.default, help=f.metadata.get("help"))
+            if typing.get_origin(kind) is list:
+                parser.add_argument(*flags, nargs="+", type=typing.get_args(kind)[0], **options)
+            elif kind is bool:
+                parser.add_argument(*flags, action="store_true", **options)
+            else:
+                parser.add_argument(*flags, type=kind, **options)
+
+    @classmethod
+    def from_cli_args(cls, namespace: argparse.Namespace, **overrides):
+        """An instance from parsed flags; fields the parser lacks keep their defaults."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        values = {k: v for k, v in vars(namespace).items() if k in names}
+        return cls(**{**values, **overrides})
+
+    def engine_fields(self) -> dict:
+        """The `EngineConfig` settings of this object (also of a subclass such as ServerArgs)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(EngineConfig)}

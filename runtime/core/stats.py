@@ -1,0 +1,55 @@
+# SPDX-License-Identifier: Apache-2.0
+"""What the engine tells the outside world about itself, as immutable snapshots.
+
+`EngineInfo` is fixed when the engine is built; `EngineStats` is taken by the engine loop
+thread after every step and published whole, so the HTTP event loop (`/get_server_info`,
+`/flush_cache`, `/metrics`) reads a consistent picture without touching the scheduler.
+Field names follow SGLang's `/get_server_info` (`internal_states`) and its Prometheus gauges.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    model_path: str
+    context_length: int
+    max_total_tokens: int  # KV cache token slots actually allocated
+    page_size: int
+    max_running_requests: int
+    kv_cache_bytes: int
+    speculative_algorithm: str | None = None
+    speculative_num_steps: int | None = None
+    speculative_eagle_topk: int | None = None
+    speculative_num_draft_tokens: int | None = None
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    num_retractions: int = 0
+    available_tokens: int = 0
+    available_request_slots: int = 0
+    token_usage: float = 0.0  # fraction of KV token slots in use
+    # speculative decoding, engine-wide (None when it is off); raw counters so a client can
+    # take the accept length over its own window
+    avg_spec_accept_length: float | None = None
+    spec_acceptance_rate_per_position: tuple[float, ...] | None = None
+    spec_verify_rounds: int | None = None
+    spec_emitted_tokens: int | None = None
+
+    @property
+    def is_idle(self) -> bool:
+        return self.num_running_reqs == 0 and self.num_waiting_reqs == 0
+
+    def to_json(self) -> dict:
+        out = asdict(self)
+        rates = out["spec_acceptance_rate_per_position"]
+        out["spec_acceptance_rate_per_position"] = None if rates is None else list(rates)
+        return out

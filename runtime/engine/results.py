@@ -1,0 +1,76 @@
+# SPDX-License-Identifier: Apache-2.0
+"""A `Req` as its caller sees it: the typed `RequestResult` snapshot, and the engine-wide
+`EngineStats` snapshot. Both are taken on the engine's own thread (see `AsyncEngine`)."""
+
+from __future__ import annotations
+
+import time
+
+from runtime.cache.slot_table import SlotTable
+from runtime.core.request import Req
+from runtime.core.result import Logprobs, RequestResult, RequestTiming, SpecCounters
+from runtime.core.stats import EngineStats
+
+
+def request_result(req: Req, num_draft_tokens: int | None, with_text: bool) -> RequestResult:
+    """Snapshot of `req`. `num_draft_tokens` is the verify width when speculative decoding
+    is on (None when off); `with_text` is False for an engine without a tokenizer."""
+    now = time.perf_counter()
+    return RequestResult(
+        rid=req.rid,
+        output_ids=tuple(req.output_ids),
+        text=req.visible_text() if with_text else None,
+        finish_reason=req.finish_reason,
+        prompt_tokens=len(req.prompt_ids),
+        completion_tokens=len(req.output_ids),
+        timing=RequestTiming(
+            created_at=req.created_at,
+            first_token_at=req.first_token_at,
+            finished_at=req.finished_at,
+            e2e_latency=(req.finished_at or now) - req.created_at,
+        ),
+        logprobs=_logprobs(req) if req.return_logprob else None,
+        spec=None if num_draft_tokens is None else _spec_counters(req, num_draft_tokens),
+    )
+
+
+def _logprobs(req: Req) -> Logprobs:
+    return Logprobs(
+        input_token_logprobs=tuple(req.input_token_logprobs),
+        output_token_logprobs=tuple(req.output_token_logprobs),
+        output_top_logprobs=tuple(tuple(top) for top in req.output_top_logprobs),
+        top_logprobs_num=req.top_logprobs_num,
+    )
+
+
+def _spec_counters(req: Req, num_draft_tokens: int) -> SpecCounters:
+    rounds = req.spec_verify_ct
+    return SpecCounters(
+        verify_rounds=rounds,
+        accept_length=len(req.output_ids) / rounds if rounds else 0.0,
+        accept_histogram=tuple(req.spec_accept_hist) or (0,) * num_draft_tokens,
+    )
+
+
+def engine_stats(scheduler, slot_table: SlotTable, spec_stats=None) -> EngineStats:
+    """Load and speculative counters right now; `spec_stats` is the NEXTN worker's
+    engine-wide `SpecStats` (None for plain decoding)."""
+    allocator = slot_table.allocator
+    available = allocator.available_tokens()
+    spec = {}
+    if spec_stats is not None:
+        spec = dict(
+            avg_spec_accept_length=spec_stats.avg_accept_length,
+            spec_acceptance_rate_per_position=tuple(spec_stats.acceptance_rate_per_position()),
+            spec_verify_rounds=spec_stats.verify_rounds,
+            spec_emitted_tokens=spec_stats.emitted_tokens,
+        )
+    return EngineStats(
+        num_running_reqs=len(scheduler.running),
+        num_waiting_reqs=len(scheduler.waiting),
+        num_retractions=scheduler.num_retractions,
+        available_tokens=available,
+        available_request_slots=slot_table.req_pool.available(),
+        token_usage=1 - available / max(1, allocator.capacity_tokens),
+        **spec,
+    )

@@ -1,0 +1,96 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Admin routes, SGLang's names and answers: `/health`, `/health_generate`,
+`/get_server_info` (alias `/server_info`), `/get_model_info`, `/flush_cache`,
+`/abort_request` and Prometheus `/metrics`. Load figures come from the engine's published
+`EngineStats` snapshot; nothing here touches the scheduler."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+from fastapi import APIRouter, Request
+from fastapi.responses import PlainTextResponse, Response
+
+from runtime.core.errors import InvalidRequestError
+from runtime.core.version import package_version
+from runtime.server.state import State
+from runtime.server.streaming import json_body
+
+router = APIRouter()
+
+HEALTH_GENERATE_TIMEOUT_S = 60.0  # one greedy token must come back within this
+
+
+@router.get("/health")
+async def health(state: State):
+    return Response(status_code=200 if state.engine.alive else 503)
+
+
+@router.get("/health_generate")
+async def health_generate(state: State):
+    """Healthy when one token can be generated end to end (SGLang's deeper health check)."""
+    if not state.engine.alive:
+        return Response(status_code=503)
+    req = state.core.make_request(
+        [state.core.bos_token_id],
+        {"max_new_tokens": 1, "temperature": 0},
+        rid=f"health-{uuid.uuid4().hex}",
+    )
+    try:
+        result = await asyncio.wait_for(
+            state.engine.generate(req), timeout=HEALTH_GENERATE_TIMEOUT_S
+        )
+    except asyncio.TimeoutError:
+        state.engine.abort(req.rid)
+        return Response(status_code=503)
+    return Response(status_code=503 if result.aborted else 200)
+
+
+@router.get("/get_server_info")
+@router.get("/server_info")
+async def server_info(state: State):
+    return {
+        **state.args.to_json(),
+        **state.engine.info.to_json(),
+        "internal_states": [state.engine.stats.to_json()],
+        "version": package_version(),
+    }
+
+
+@router.get("/get_model_info")
+async def model_info(state: State):
+    model_path = state.engine.info.model_path
+    return {
+        "model_path": model_path,
+        "tokenizer_path": state.args.tokenizer_path or model_path,
+        "is_generation": True,
+        "served_model_name": state.model_name,
+        "architectures": list(state.core.model_config.architectures),
+    }
+
+
+@router.api_route("/flush_cache", methods=["GET", "POST"])
+async def flush_cache(state: State):
+    if await state.engine.flush_cache():
+        return PlainTextResponse("Cache flushed.", status_code=200)
+    return PlainTextResponse("Cache not flushed: requests are running", status_code=400)
+
+
+@router.post("/abort_request")
+async def abort_request(request: Request, state: State):
+    body = await json_body(request)
+    rid = body.get("rid") if isinstance(body, dict) else None
+    if not isinstance(rid, str):
+        raise InvalidRequestError("send {'rid': '<request id>'}")
+    state.engine.abort(rid)
+    return Response(status_code=200)
+
+
+@router.get("/metrics")
+async def metrics(state: State):
+    if state.metrics is None:
+        return PlainTextResponse("metrics are off: start the server with --enable-metrics", 404)
+    from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+    return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)

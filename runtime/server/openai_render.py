@@ -1,0 +1,160 @@
+# SPDX-License-Identifier: Apache-2.0
+"""OpenAI response objects from typed `RequestResult`s: `text_completion`,
+`chat.completion` and their stream chunks' choices, logprobs and usage, as in the OpenAI
+API reference (plus SGLang's `matched_stop`)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from runtime.core.result import RequestResult
+
+
+def error_body(message: str, status: int, kind: str = "invalid_request_error", param=None) -> dict:
+    return {
+        "object": "error",
+        "error": {"message": message, "type": kind, "param": param, "code": status},
+    }
+
+
+def finish_reason(result: RequestResult) -> tuple[str | None, object]:
+    """(OpenAI finish_reason, SGLang's matched_stop); (None, None) while running."""
+    reason = result.finish_reason
+    if reason is None:
+        return None, None
+    if reason.type == "abort":
+        return "abort", None
+    return reason.type, reason.matched if reason.type == "stop" else None
+
+
+def token_text(tokenizer, token_id: int) -> str:
+    return tokenizer.decode([token_id]) if tokenizer is not None else str(token_id)
+
+
+def _new_logprobs(result: RequestResult, start: int):
+    """(token logprobs, top lists) of the output tokens from `start` on."""
+    if result.logprobs is None:
+        return (), ()
+    return (
+        result.logprobs.output_token_logprobs[start:],
+        result.logprobs.output_top_logprobs[start:],
+    )
+
+
+def completion_logprobs(result: RequestResult, tokenizer, start: int = 0) -> dict:
+    entries, tops = _new_logprobs(result, start)
+    tokens = [token_text(tokenizer, t) for _, t in entries]
+    offsets, pos = [], 0
+    for tok in tokens:
+        offsets.append(pos)
+        pos += len(tok)
+    top_maps = [{token_text(tokenizer, t): lp for lp, t in top} for top in tops] if tops else None
+    return {
+        "tokens": tokens,
+        "token_logprobs": [lp for lp, _ in entries],
+        "top_logprobs": top_maps,
+        "text_offset": offsets,
+    }
+
+
+def chat_logprobs(result: RequestResult, tokenizer, start: int = 0) -> dict:
+    entries, tops = _new_logprobs(result, start)
+    tops = tops or [()] * len(entries)
+
+    def item(lp, tid):
+        text = token_text(tokenizer, tid)
+        return {"token": text, "logprob": lp, "bytes": list(text.encode())}
+
+    return {
+        "content": [
+            {**item(lp, t), "top_logprobs": [item(l2, t2) for l2, t2 in top]}
+            for (lp, t), top in zip(entries, tops)
+        ]
+    }
+
+
+def usage(results: list[RequestResult], n: int) -> dict:
+    """Token counts; each prompt counts once however many choices (`n`) it has."""
+    prompt = sum(r.prompt_tokens for r in results[::n])
+    completion = sum(r.completion_tokens for r in results)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
+
+
+def completion_choice(index, text, reason, matched, logprobs) -> dict:
+    return {
+        "index": index,
+        "text": text,
+        "logprobs": logprobs,
+        "finish_reason": reason,
+        "matched_stop": matched,
+    }
+
+
+def chat_delta_choice(index, text, reason, matched, logprobs) -> dict:
+    del matched  # chat chunks carry no matched_stop
+    return {
+        "index": index,
+        "delta": {"content": text} if text else {},
+        "logprobs": logprobs,
+        "finish_reason": reason,
+    }
+
+
+def chat_opening_choice(index: int) -> dict:
+    """The first chunk of each chat choice: the assistant's role, no text yet."""
+    return {
+        "index": index,
+        "delta": {"role": "assistant", "content": ""},
+        "logprobs": None,
+        "finish_reason": None,
+    }
+
+
+def completion_response(
+    results: list[RequestResult], n: int, model: str, tokenizer, echo_texts, logprobs: bool
+) -> dict:
+    """`echo_texts`: one prompt text per prompt to put before its choices' text, or None."""
+    choices = []
+    for i, r in enumerate(results):
+        text = (echo_texts[i // n] if echo_texts else "") + (r.text or "")
+        lp = completion_logprobs(r, tokenizer) if logprobs else None
+        choices.append(completion_choice(i, text, *finish_reason(r), lp))
+    return {
+        "id": f"cmpl-{uuid.uuid4().hex}",
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": choices,
+        "usage": usage(results, n),
+    }
+
+
+def chat_response(
+    results: list[RequestResult], n: int, model: str, tokenizer, logprobs: bool
+) -> dict:
+    choices = []
+    for i, r in enumerate(results):
+        reason, matched = finish_reason(r)
+        choices.append(
+            {
+                "index": i,
+                "message": {"role": "assistant", "content": r.text or ""},
+                "finish_reason": reason,
+                "matched_stop": matched,
+                "logprobs": chat_logprobs(r, tokenizer) if logprobs else None,
+            }
+        )
+    return {
+        "id": f"chatcmpl-{uuid.uuid4().hex}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": choices,
+        "usage": usage(results, n),
+    }

@@ -1,0 +1,99 @@
+# SPDX-License-Identifier: Apache-2.0
+"""`EngineConfig` is the one home of every engine setting: `ServerArgs` and the
+command-line flags take its defaults, its checks are the server's checks."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import pytest
+
+from runtime.configs.engine_config import EngineConfig, default_model_path
+from runtime.server_args import ServerArgs
+
+ENGINE_FIELDS = [f.name for f in dataclasses.fields(EngineConfig)]
+
+
+def test_server_args_reuse_every_engine_field_and_default():
+    server_fields = {f.name: f for f in dataclasses.fields(ServerArgs)}
+    for f in dataclasses.fields(EngineConfig):
+        assert server_fields[f.name].default == f.default, f.name
+    assert set(server_fields) - set(ENGINE_FIELDS) == {
+        "host",
+        "port",
+        "api_key",
+        "enable_metrics",
+        "log_level",
+        "served_model_name",
+    }
+
+
+def test_flag_defaults_are_the_dataclass_defaults():
+    parsed = ServerArgs.parser().parse_args([])
+    assert ServerArgs.from_cli_args(parsed) == ServerArgs()
+    assert vars(parsed) == dataclasses.asdict(ServerArgs())
+
+
+def test_sglang_like_defaults_written_once():
+    config = EngineConfig().resolve()
+    assert config.model_path == default_model_path()
+    assert (config.chunked_prefill_size, config.max_total_tokens, config.page_size) == (
+        512,
+        65536,
+        1,
+    )
+    assert config.max_running_requests == 64
+    spec = EngineConfig(speculative_algorithm="mtp").resolve()
+    assert spec.max_running_requests == 48
+    assert (spec.speculative_algorithm, spec.speculative_num_steps) == ("NEXTN", 3)
+    assert (spec.speculative_eagle_topk, spec.speculative_num_draft_tokens) == (1, 4)
+    explicit = EngineConfig(speculative_algorithm="NEXTN", max_running_requests=7).resolve()
+    assert explicit.max_running_requests == 7
+
+
+def test_server_args_hand_the_engine_exactly_its_settings():
+    args = ServerArgs.from_cli(["--page-size", "4", "--port", "1234", "--dtype", "float32"])
+    config = args.engine_config()
+    assert type(config) is EngineConfig
+    assert config == EngineConfig(page_size=4, dtype="float32").resolve()
+
+
+@pytest.mark.parametrize(
+    "overrides,error,message",
+    [
+        ({"page_size": 0}, ValueError, "--page-size must be >= 1"),
+        ({"chunked_prefill_size": 0}, ValueError, "--chunked-prefill-size"),
+        ({"dtype": "int4"}, ValueError, "--dtype 'int4' is not supported"),
+        ({"max_running_requests": 0}, ValueError, "--max-running-requests"),
+        ({"max_total_tokens": 2, "page_size": 4}, ValueError, "--max-total-tokens"),
+        ({"context_length": 1}, ValueError, "--context-length"),
+        ({"speculative_num_steps": 2}, ValueError, "need --speculative-algorithm"),
+        ({"model_path": "/no/such/model"}, FileNotFoundError, "does not exist"),
+    ],
+)
+def test_bad_settings_are_refused_with_the_flag_to_fix(overrides, error, message):
+    with pytest.raises(error, match=message):
+        EngineConfig(**overrides).resolve()
+
+
+def test_off_switches_and_aliases_pass():
+    for chunk in (None, -1, 1):
+        EngineConfig(chunked_prefill_size=chunk).resolve()
+    EngineConfig(dtype="bf16").resolve()
+
+
+def test_a_script_can_take_a_subset_of_the_flags():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--threads", type=int, default=2)
+    EngineConfig.add_cli_args(parser, names=("model_path", "dtype", "chunked_prefill_size"))
+    ns = parser.parse_args(["--model", "/ckpt", "--chunked-prefill-size", "-1"])
+    config = EngineConfig.from_cli_args(ns, dtype="float32")
+    assert (config.model_path, config.dtype, config.chunked_prefill_size) == (
+        "/ckpt",
+        "float32",
+        -1,
+    )
+    assert config.max_total_tokens == EngineConfig().max_total_tokens
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--page-size", "4"])  # not asked for
