@@ -58,6 +58,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--input-len", type=int, nargs="+", default=[256])
     p.add_argument("--output-len", type=int, nargs="+", default=[32])
     flags.add_cache_args(p, max_total_tokens=False, chunked_prefill=False)
+    flags.add_capture_args(p)
     p.add_argument(
         "--dataset-path",
         help='prompt file (JSONL with "prompt", or one per line): each batch takes the first '
@@ -167,17 +168,36 @@ def engine_for(args, variant: Variant, settings: list[tuple[int, int, int]]):
     )
 
 
+def warm_up(engine, args, settings) -> None:
+    """A short batch per batch size, so first-call costs (and the compile of each captured
+    bucket) stay out of the timings; prints what each captured step took to compile."""
+    for bs in sorted({s[0] for s in settings}):
+        _, input_len, output_len = next(s for s in settings if s[0] == bs)
+        warm = batch_prompts(
+            args.seed + 1, bs, input_len, engine.model_config.vocab_size, args.file_prompts
+        )
+        run_batch(engine, warm, min(output_len, WARMUP_OUTPUT_LEN))
+    for runner in captured_runners(engine):
+        runner.graph_runner.wait_until_idle()
+        for step, state, seconds in runner.graph_runner.compiled_steps():
+            print(f"captured step {step}: {state}, compiled in {seconds:.1f} s")
+
+
+def captured_runners(engine) -> list:
+    runners = [engine.runner]
+    drafter = getattr(engine.worker, "drafter", None)
+    if drafter is not None:
+        runners.append(drafter.runner)
+    return [r for r in runners if getattr(r, "graph_runner", None) is not None]
+
+
 def run_variants(args, variants: list[Variant], settings) -> tuple[list, list, dict]:
     """Every setting through one engine per variant; (rows, overhead reports, our greedy
     output ids per setting for the HF comparison)."""
     rows, overhead, reference = [], [], {}
     for variant in variants:
         engine = engine_for(args, variant, settings)
-        bs, input_len, output_len = settings[0]  # warm-up: first-call costs stay out
-        warm = batch_prompts(
-            args.seed + 1, bs, input_len, engine.model_config.vocab_size, args.file_prompts
-        )
-        run_batch(engine, warm, min(output_len, WARMUP_OUTPUT_LEN))
+        warm_up(engine, args, settings)
         for setting in progress(settings, args.disable_tqdm, desc=variant.label):
             row = measure_setting(engine, variant, args, setting)
             reference.setdefault(setting, row["output_ids"])

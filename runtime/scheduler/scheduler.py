@@ -8,7 +8,8 @@ Each `step()` runs one worker step over the running requests:
 * prefill requests contribute chunks, together at most `chunked_prefill_size` tokens a
   step; the chunk that reaches the end of the prompt samples the first token.
 * decoding requests contribute their newest token (or one speculative round). A worker
-  that `supports_mixed` runs chunks and decode rows in one forward; otherwise prefill
+  that `supports_mixed` runs chunks and decode rows in the same step (the plain worker in
+  one forward, the NEXTN worker as a verify round and an extend); otherwise prefill
   steps and decode steps alternate so neither starves.
 * when token pages run out for a decode, the most recently admitted request is retracted:
   its pages are freed and it is re-queued to be recomputed from prompt + output so far.

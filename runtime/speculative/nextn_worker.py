@@ -14,8 +14,11 @@ Caches need no explicit rollback: every cache row is keyed by position, verify a
 only write positions at or after the committed length, and the next round rewrites the
 rejected positions before anything reads them (rings are sized for one extra pass).
 Recurrent state is the exception: `commit_verified` keeps the state after the last
-accepted row. Prefill chunks and verify rounds run in separate steps
-(`supports_mixed = False`).
+accepted row.
+
+A step may carry prefill chunks and verify rounds together (`supports_mixed`): the rounds run
+first (a uniform batch: the target's captured verify step and the draft's captured steps),
+then the chunks (an eager extend), so decoding never pauses while prompts prefill.
 """
 
 from __future__ import annotations
@@ -65,7 +68,7 @@ class SpecStats:
 
 
 class NextNWorker:
-    supports_mixed = False
+    supports_mixed = True
 
     def __init__(
         self,
@@ -87,9 +90,8 @@ class NextNWorker:
     def step(
         self, prefill: Sequence[Chunk], decode: Sequence[Req]
     ) -> tuple[list[TokenOutput], list[TokenOutput]]:
-        if prefill and decode:
-            raise ValueError("NEXTN runs prefill chunks and verify rounds in separate steps")
-        return (self._prefill(prefill), []) if prefill else ([], self._verify(decode))
+        decode_out = self._verify(decode) if decode else []
+        return (self._prefill(prefill) if prefill else []), decode_out
 
     def _prefill(self, chunks: Sequence[Chunk]) -> list[TokenOutput]:
         """Target extend, a token for every chunk that completes its prompt, then the draft

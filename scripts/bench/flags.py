@@ -97,6 +97,21 @@ def add_cache_args(
     EngineConfig.add_cli_args(parser, names=names)
 
 
+CAPTURE_FLAGS = ("disable_cuda_graph", "cuda_graph_bs", "cuda_graph_max_bs", "capture_compile")
+
+
+def add_capture_args(parser: argparse.ArgumentParser) -> None:
+    """The engine's captured-step flags. A benchmark compiles a bucket inline the first time
+    a warm-up step needs it (not in the background), so measured steps replay it."""
+    EngineConfig.add_cli_args(parser, names=CAPTURE_FLAGS)
+    parser.set_defaults(capture_compile="inline")
+
+
+def capture_overrides(args: argparse.Namespace) -> dict:
+    """The captured-step settings of parsed flags, as `Engine` keyword arguments."""
+    return {name: getattr(args, name) for name in CAPTURE_FLAGS if hasattr(args, name)}
+
+
 def add_dataset_args(parser: argparse.ArgumentParser, num_prompts: int) -> None:
     """SGLang's dataset flags: random prompts or a prompt file, how many, how long."""
     parser.add_argument(

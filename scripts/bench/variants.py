@@ -7,6 +7,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
+from scripts.bench.flags import capture_overrides
+
 
 @dataclass(frozen=True)
 class Variant:
@@ -87,6 +89,7 @@ def make_engine(args: argparse.Namespace, variant: Variant, **overrides):
         "dtype": args.dtype,
         "max_running_requests": args.max_running_requests,
         "random_seed": args.seed,
+        **capture_overrides(args),
         **(variant.spec or {}),
     }
     kwargs.update(overrides)

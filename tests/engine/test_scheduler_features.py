@@ -224,3 +224,27 @@ def test_abort_frees_waiting_and_running_requests(ckpt):
     assert reqs[1].finish_reason.type == reqs[2].finish_reason.type == "length"
     assert e.slot_table.allocator.available_tokens() == start
     assert e.slot_table.req_pool.available() == 2
+
+
+def test_nextn_steps_mix_prefill_chunks_with_verify_rounds(ckpt, plain, reference):
+    """A prompt arriving while others decode is prefilled in the same steps as their verify
+    rounds (decoding does not pause), and every output stays the plain greedy one."""
+    expected = [o["output_ids"] for o in plain.generate(PROMPTS, GREEDY)]
+    e = oracle_engine(ckpt, reference, chunked_prefill_size=3)
+    mixed = []
+    step = e.worker.step
+
+    def counting_step(prefill, decode):
+        mixed.append(bool(prefill) and bool(decode))
+        return step(prefill, decode)
+
+    e.worker.step = counting_step
+    reqs = [e.make_request(e.tokenize(p), GREEDY) for p in PROMPTS]
+    for req in reqs:
+        e.add_request(req)
+        for _ in range(3):
+            e.step()
+    while e.has_work():
+        e.step()
+    assert [r.output_ids for r in reqs] == expected
+    assert sum(mixed) >= 3
