@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+import numpy as np
 import torch
 
 from runtime.core.forward_mode import CaptureHiddenMode, ForwardMode
@@ -83,7 +84,8 @@ class ForwardContext:
         been reserved already)."""
         device = req_to_token.device
         prefix_cpu, extend_cpu = [int(x) for x in prefix_lens], [int(x) for x in extend_lens]
-        if len(prefix_cpu) != len(extend_cpu) or len(prefix_cpu) != len(req_pool_indices):
+        slots_cpu = [int(x) for x in req_pool_indices]
+        if len(prefix_cpu) != len(extend_cpu) or len(prefix_cpu) != len(slots_cpu):
             raise ValueError(
                 "req_pool_indices, prefix_lens and extend_lens must have one entry per request"
             )
@@ -93,31 +95,33 @@ class ForwardContext:
             raise ValueError(
                 f"out_cache_loc has {out_cache_loc.shape[0]} slots for {num_tokens} tokens"
             )
-        req_pool_indices = torch.as_tensor(list(req_pool_indices), dtype=torch.long, device=device)
-        prefix = torch.tensor(prefix_cpu, dtype=torch.long, device=device)
-        extend = torch.tensor(extend_cpu, dtype=torch.long, device=device)
-        token_to_req = torch.repeat_interleave(torch.arange(bs, device=device), extend)
-        start_loc = torch.cumsum(extend, 0) - extend
-        positions = (
-            prefix[token_to_req] + torch.arange(num_tokens, device=device) - start_loc[token_to_req]
-        )
+        # host index math in numpy (a fraction of torch's per-op cost at these sizes)
+        slots, prefix = np.asarray(slots_cpu, np.int64), np.asarray(prefix_cpu, np.int64)
+        extend = np.asarray(extend_cpu, np.int64)
+        token_to_req = np.repeat(np.arange(bs, dtype=np.int64), extend)
+        start_loc = np.cumsum(extend) - extend
+        positions = prefix[token_to_req] + np.arange(num_tokens) - start_loc[token_to_req]
+
+        def tensor(array: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(array).to(device)
+
+        req_pool_indices = tensor(slots)
+        token_to_req_t, positions_t = tensor(token_to_req), tensor(positions)
         if out_cache_loc is None:
-            out_cache_loc = req_to_token[req_pool_indices[token_to_req], positions]
+            out_cache_loc = req_to_token[req_pool_indices[token_to_req_t], positions_t]
         if isinstance(logits_row_indices, Sequence):
-            logits_row_indices = torch.tensor(
-                list(logits_row_indices), dtype=torch.long, device=device
-            )
+            logits_row_indices = tensor(np.asarray(logits_row_indices, np.int64).reshape(-1))
         return cls(
             forward_mode=forward_mode,
             batch_size=bs,
             req_pool_indices=req_pool_indices,
-            prefix_lens=prefix,
-            extend_lens=extend,
+            prefix_lens=tensor(prefix),
+            extend_lens=tensor(extend),
             prefix_lens_cpu=prefix_cpu,
             extend_lens_cpu=extend_cpu,
-            positions=positions,
-            token_to_req=token_to_req,
-            extend_start_loc=start_loc,
+            positions=positions_t,
+            token_to_req=token_to_req_t,
+            extend_start_loc=tensor(start_loc),
             out_cache_loc=out_cache_loc,
             req_to_token=req_to_token,
             kv_pool=kv_pool,

@@ -99,3 +99,37 @@ def test_page_slots_cover_pages_in_order():
         itertools.chain(*(range(p * 3, p * 3 + 3) for p in pages))
     )
     assert alloc.alloc_pages(4) is None and alloc.available_pages() == 3
+
+
+@pytest.mark.parametrize("rows_per_req", [1, 4])
+def test_uniform_metadata_numpy_equals_torch(rows_per_req):
+    """The CPU fast path of the fixed-shape DeepSeek-V4 metadata builds the same tensors as
+    the torch statement (used on other devices), padding request and trash rows included."""
+    from runtime.cache.deepseek_v4_metadata import uniform_metadata, uniform_metadata_torch
+    from runtime.core.forward_context import ForwardContext
+    from runtime.core.forward_mode import ForwardMode
+    from runtime.execution.graph_runner import tensors_of
+
+    layout = DeepseekV4CacheLayout((0, 4, 16), head_dim=8, index_head_dim=4, sliding_window=8)
+    geometry = PoolGeometry(
+        max_reqs=3, num_pages=48, page_size=4, max_tokens_per_pass=4, dtype=torch.float32
+    )
+    pool = DeepseekV4KVPool(layout, geometry)
+    t = SlotTable(ReqToTokenPool(3, 64), PagedTokenAllocator(48, 4))
+    reqs = [t.open_request() for _ in range(3)]
+    for r in reqs:
+        assert t.reserve(r, 60)
+    for mode in (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY):
+        ctx = ForwardContext.build(
+            mode,
+            reqs + [t.req_pool.pad_req],
+            [0, 17, 50, 0],
+            [rows_per_req] * 4,
+            None,
+            t.req_to_token,
+            pool,
+        )
+        fast = uniform_metadata(ctx, pool, lambda ratio, needed: needed + 3)
+        reference = uniform_metadata_torch(ctx, pool, lambda ratio, needed: needed + 3)
+        for a, b in zip(tensors_of(fast), tensors_of(reference), strict=True):
+            assert a.dtype == b.dtype and torch.equal(a, b)
