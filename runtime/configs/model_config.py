@@ -28,18 +28,27 @@ _DTYPES = {
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
-def resolve_dtype(dtype: str | torch.dtype, config_dtype: Any = None) -> torch.dtype:
-    """`auto` takes the checkpoint's dtype (bf16 when it names none)."""
+def resolve_dtype(
+    dtype: str | torch.dtype, config_dtype: Any = None, device: str | None = None
+) -> torch.dtype:
+    """`auto` takes the checkpoint's dtype (bf16 when it names none); on a CPU, the one of
+    that and float32 the host runs faster (`cpu_dtype.fastest_cpu_dtype`). An explicit
+    dtype always wins."""
     if isinstance(dtype, torch.dtype):
         if dtype in _DTYPES.values():
             return dtype
         raise ValueError(f"unsupported dtype {dtype}; use one of {', '.join(SUPPORTED_DTYPES)}")
     if dtype == "auto":
+        checkpoint = torch.bfloat16
         if isinstance(config_dtype, torch.dtype) and config_dtype in _DTYPES.values():
-            return config_dtype
-        if isinstance(config_dtype, str) and config_dtype in _DTYPES:
-            return _DTYPES[config_dtype]
-        return torch.bfloat16
+            checkpoint = config_dtype
+        elif isinstance(config_dtype, str) and config_dtype in _DTYPES:
+            checkpoint = _DTYPES[config_dtype]
+        if device is not None and torch.device(device).type == "cpu":
+            from runtime.configs.cpu_dtype import resolve_auto_cpu_dtype
+
+            return resolve_auto_cpu_dtype(checkpoint)
+        return checkpoint
     if dtype not in _DTYPES:
         raise ValueError(f"unsupported dtype '{dtype}'; use one of {', '.join(SUPPORTED_DTYPES)}")
     return _DTYPES[dtype]
@@ -71,7 +80,10 @@ class ModelConfig:
         model_path: str | Path,
         dtype: str | torch.dtype = "auto",
         context_length: int | None = None,
+        device: str | None = "cpu",
     ) -> ModelConfig:
+        """`device`: where the model will run (`--dtype auto` on a CPU picks the faster of
+        the checkpoint's dtype and float32; None keeps the checkpoint's)."""
         path = Path(model_path)
         if not path.is_dir():
             raise FileNotFoundError(
@@ -106,7 +118,7 @@ class ModelConfig:
             hf_config,
             raw,
             architectures,
-            resolve_dtype(dtype, config_dtype),
+            resolve_dtype(dtype, config_dtype, device),
             context_length or max_positions,
         )
 

@@ -52,7 +52,7 @@ class Engine:
         self.config, self.model_path = config, config.model_path
         self.spec_config = config.speculative_config()
         self.model_config = ModelConfig.from_path(
-            config.model_path, config.dtype, config.context_length
+            config.model_path, config.dtype, config.context_length, config.device
         )
         self.context_length = self.model_config.context_length
         pass_width = self.spec_config.num_draft_tokens if self.spec_config else 1

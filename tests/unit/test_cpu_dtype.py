@@ -1,0 +1,56 @@
+# SPDX-License-Identifier: Apache-2.0
+"""`--dtype auto` on a CPU serves a bf16 checkpoint in the dtype the host multiplies faster;
+an explicit dtype always wins."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from runtime.configs import cpu_dtype
+from runtime.configs.model_config import resolve_dtype
+
+
+@pytest.fixture(autouse=True)
+def _fresh_decision():
+    cpu_dtype.fastest_cpu_dtype.cache_clear()
+    yield
+    cpu_dtype.fastest_cpu_dtype.cache_clear()
+
+
+def test_without_native_bf16_matmul_auto_runs_float32(monkeypatch, caplog):
+    monkeypatch.setattr(cpu_dtype, "native_half_matmul", lambda dtype: False)
+    with caplog.at_level(logging.INFO, logger="runtime.configs.cpu_dtype"):
+        assert resolve_dtype("auto", "bfloat16", "cpu") == torch.float32
+    assert "no native bfloat16 matmul" in caplog.text
+
+
+def test_native_bf16_is_kept_only_when_the_probe_says_it_is_faster(monkeypatch):
+    monkeypatch.setattr(cpu_dtype, "native_half_matmul", lambda dtype: True)
+    monkeypatch.setattr(
+        cpu_dtype, "_seconds", lambda dtype, *shape: 1.0 if dtype == torch.bfloat16 else 2.0
+    )
+    assert resolve_dtype("auto", "bfloat16", "cpu") == torch.bfloat16
+    cpu_dtype.fastest_cpu_dtype.cache_clear()
+    # slower on the batch-1 product only: float32
+    monkeypatch.setattr(
+        cpu_dtype,
+        "_seconds",
+        lambda dtype, rows, *rest: 3.0 if dtype == torch.bfloat16 and rows == 1 else 2.0,
+    )
+    assert resolve_dtype("auto", "bfloat16", "cpu") == torch.float32
+
+
+def test_explicit_dtype_float32_checkpoint_and_other_devices_are_unchanged(monkeypatch):
+    def probe_must_not_run(*args):
+        raise AssertionError("no probe for an explicit dtype")
+
+    monkeypatch.setattr(cpu_dtype, "_seconds", probe_must_not_run)
+    monkeypatch.setattr(cpu_dtype, "native_half_matmul", lambda dtype: True)
+    assert resolve_dtype("bfloat16", "bfloat16", "cpu") == torch.bfloat16
+    assert resolve_dtype("float32", "bfloat16", "cpu") == torch.float32
+    assert resolve_dtype("auto", "float32", "cpu") == torch.float32
+    assert resolve_dtype("auto", "bfloat16", "cuda") == torch.bfloat16
+    assert resolve_dtype("auto", "bfloat16") == torch.bfloat16
