@@ -132,7 +132,11 @@ class GraphRunner:
             return None
         lens = inp.extend_lens
         q = lens[0] if lens else 0
-        if not 1 <= q <= self.runner.kv_pool.max_pass or any(n != q for n in lens):
+        # decode and chained draft steps run one row per request, verify rounds and the draft
+        # over them the full speculative width; other uniform batches (a draft extend over
+        # equally short prompts) are rare enough to run eagerly instead of compiling for them
+        wanted = 1 if inp.forward_mode is ForwardMode.DECODE else self.runner.kv_pool.max_pass
+        if q != wanted or any(n != q for n in lens):
             return None
         bucket = self.bucket_for(len(lens))
         if bucket is None:

@@ -6,9 +6,11 @@ The residual is `hc` parallel streams `X [T, hc, H]`. Around each sub-block:
     X' = post * block(y) + comb^T X      expand the output and mix the old streams
 All mixing weights are computed per token in fp32 from the flattened streams.
 
-`hc_pre` is a nested compile region: a captured step calls it twice per layer, and the
-compiler traces and compiles its ~140 operators (mostly Sinkhorn's 20 iterations) once for
-all call sites instead of once per site (several times faster to compile, no slower to run).
+When compiled, `hc_pre` is a nested compile region (`COMPILE_HC_PRE_ONCE`): a captured step
+calls it twice per layer, and the compiler traces and compiles its ~140 operators (mostly
+Sinkhorn's 20 iterations) once for all call sites instead of once per site, which halves
+the compile time of a decode step. Inductor's C++ wrapper cannot call such a region yet,
+so the graph runner turns it off when it compiles with `cpp_wrapper`.
 """
 
 from __future__ import annotations
@@ -25,7 +27,9 @@ def _mixes(x: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
     return F.linear(rms_normalize(x.flatten(1), norm_eps), fn.float())
 
 
-@torch.compiler.nested_compile_region
+COMPILE_HC_PRE_ONCE = True
+
+
 def hc_pre(
     x: torch.Tensor,
     fn: torch.Tensor,
@@ -40,6 +44,11 @@ def hc_pre(
     Returns `y [T, H]` (x's dtype), `post [T, hc]` and `comb [T, hc, hc]` (fp32), where
     `comb[t, i, o]` weighs input stream i into output stream o.
     """
+    compute = _hc_pre_region if COMPILE_HC_PRE_ONCE and torch.compiler.is_compiling() else _hc_pre
+    return compute(x, fn, scale, base, norm_eps, hc_eps, sinkhorn_iters)
+
+
+def _hc_pre(x, fn, scale, base, norm_eps, hc_eps, sinkhorn_iters):
     hc = x.shape[1]
     mixes = _mixes(x, fn, norm_eps)
     pre_w, post_w, comb_w = mixes.split([hc, hc, hc * hc], dim=-1)
@@ -50,6 +59,9 @@ def hc_pre(
     comb = sinkhorn((comb_w * scale[2] + comb_b).view(-1, hc, hc), sinkhorn_iters, hc_eps)
     y = (pre.unsqueeze(-1) * x).sum(dim=1).to(x.dtype)
     return y, post, comb
+
+
+_hc_pre_region = torch.compiler.nested_compile_region(_hc_pre)
 
 
 def hc_post(
