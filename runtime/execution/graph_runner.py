@@ -42,11 +42,16 @@ from runtime.configs.capture import CaptureConfig
 from runtime.core.forward_context import ForwardContext
 from runtime.core.forward_mode import CaptureHiddenMode, ForwardMode
 from runtime.core.model_output import LogitsProcessorOutput
+from runtime.layers import hyper_connection
 
 logger = logging.getLogger(__name__)
 
 CAPTURED_MODES = (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND)
 ENTRY_MULTIPLE = 16  # compressed-entry counts are padded to this (CPU: a dynamic dim anyway)
+# The C++ wrapper calls the step's kernels without a Python interpreter between them
+# (default model, batch 1: 7.6 against 8.5 ms of CPU per step; it compiles ~2x longer).
+CPU_INDUCTOR_OPTIONS = {"cpp_wrapper": True}
+_compile_lock = threading.Lock()
 SKIP_GUARDS = os.environ.get("NEXTN_CHECK_GUARDS") is None
 _LOGITS_ALL, _LOGITS_PER_REQUEST = "all rows", "one row per request"
 
@@ -250,9 +255,14 @@ class GraphRunner:
         fn = fresh_function(step, name)
         if self.cuda and not self.config.torch_compile:
             return fn
-        options = None if self.cuda else dict(self.config.inductor_options)
         mode = "max-autotune-no-cudagraphs" if self.cuda else None
-        return torch.compile(fn, dynamic=False, mode=mode, options=options)
+        return torch.compile(fn, dynamic=False, mode=mode, options=self._options() or None)
+
+    def _options(self) -> dict:
+        """Inductor options: the config's, over the CPU defaults (`CPU_INDUCTOR_OPTIONS`)."""
+        if self.cuda:
+            return dict(self.config.inductor_options)
+        return {**CPU_INDUCTOR_OPTIONS, **self.config.inductor_options}
 
     def _schedule(self, step: CapturedStep) -> None:
         if not self.config.background:
@@ -277,7 +287,9 @@ class GraphRunner:
         step.state = StepState.COMPILING
         start = time.perf_counter()
         try:
-            with torch.inference_mode():
+            with torch.inference_mode(), _compile_lock:
+                # inductor's C++ wrapper cannot call nested compile regions
+                hyper_connection.COMPILE_HC_PRE_ONCE = not self._options().get("cpp_wrapper")
                 batch = self.padded_batch(self._padding_input(step), step.key)
                 if self.cuda:
                     self._capture_cuda_graph(step, batch)
