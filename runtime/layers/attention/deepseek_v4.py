@@ -184,9 +184,6 @@ class DeepseekV4Indexer(nn.Module):
         """Ragged rows. Returns `(selected [T, k], valid [T, k])`: positions in each row's
         entry list."""
         self.compressor(x, ctx, access, state_buf, key_buf, rope.rope)
-        if access.read_loc.shape[1] == 0:
-            empty = access.read_loc.new_zeros((x.shape[0], 0))
-            return empty, empty.bool()
         keys = key_buf[access.req_loc[tiles.req]]  # [N, C, d]: each tile's request's keys
         scores = tiled_scores(self.queries(qr, rope), tiles.rows, tiles.row_slot, keys.float())
         total = self.weigh(x, scores, access.read_valid)
@@ -282,7 +279,21 @@ class DeepseekV4Attention(nn.Module):
             self.compressor(
                 x, ctx, access, pool.compressor_state[layer], pool.compressed_kv[layer], rope.rope
             )
-            if self.indexer is None:  # HCA: every visible entry, shared by a tile's rows
+            num_entries = access.read_loc.shape[1]
+            if self.indexer is not None and num_entries <= self.indexer.topk:
+                # no row sees more entries than the indexer keeps: every visible entry is
+                # selected whatever the scores, so CSA attends like HCA (entries shared by a
+                # tile's rows instead of gathered per row); the indexer's keys still go in
+                self.indexer.compressor(
+                    x,
+                    ctx,
+                    access,
+                    pool.indexer_state[layer],
+                    pool.indexer_k[layer],
+                    rope.rope,
+                )
+            if self.indexer is None or num_entries <= self.indexer.topk:
+                # HCA (or CSA selecting everything): every visible entry, shared by a tile
                 entries = pool.compressed_kv[layer][access.req_loc[tiles.req]]
                 tile_kv = torch.cat([tile_kv, entries], dim=1)
                 tile_valid = torch.cat([tile_valid, access.tile_valid], dim=2)
@@ -297,8 +308,7 @@ class DeepseekV4Attention(nn.Module):
                     pool.indexer_k[layer],
                     rope,
                 )
-                num_entries = access.read_loc.shape[1]
-                rows = access.read_loc.gather(1, selected.clamp(max=max(num_entries - 1, 0)))
+                rows = access.read_loc.gather(1, selected.clamp(max=num_entries - 1))
                 row_kv = pool.compressed_kv[layer][rows]
 
         return tiled_sink_attention(
