@@ -23,6 +23,7 @@ setup(
         "uvicorn>=0.29",
         "prometheus-client>=0.20",
         "pydantic>=2",
+        "jinja2>=3.1",  # chat templates (transformers renders them with it)
     ],
     extras_require={
         "test": [

@@ -27,6 +27,8 @@ DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "assets" / "deepsee
 # SGLang's defaults when memory does not decide: 64 request slots, 48 with EAGLE/NEXTN.
 DEFAULT_MAX_RUNNING_REQUESTS = 64
 SPECULATIVE_MAX_RUNNING_REQUESTS = 48
+# The OpenAI API's upper bound on `n` (choices per request).
+DEFAULT_MAX_N = 128
 
 
 def default_model_path() -> str:
@@ -80,6 +82,7 @@ class EngineConfig:
     speculative_num_steps: int | None = setting(None, "draft steps per round (default 3)")
     speculative_eagle_topk: int | None = setting(None, "1 (chain drafting)")
     speculative_num_draft_tokens: int | None = setting(None, "verify width (steps + 1)")
+    max_n: int = setting(DEFAULT_MAX_N, "most choices (n) one request may ask for")
 
     # checks ------------------------------------------------------------------------------
     def speculative_config(self) -> SpeculativeConfig | None:
@@ -132,6 +135,7 @@ class EngineConfig:
                 self.context_length is None or self.context_length >= 2,
                 "--context-length must be >= 2",
             ),
+            (self.max_n >= 1, f"--max-n must be >= 1, got {self.max_n}"),
         ]
 
     # command line ------------------------------------------------------------------------

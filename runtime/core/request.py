@@ -67,6 +67,7 @@ class Req:
     draft_tokens: list[int] | None = None
     spec_verify_ct: int = 0
     spec_accept_hist: list[int] = field(default_factory=list)  # [m]: rounds that accepted m drafts
+    parent_rid: str | None = None  # the client's request id when this is one of its n choices
 
     @property
     def all_ids(self) -> list[int]:

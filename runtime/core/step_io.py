@@ -35,3 +35,10 @@ class Chunk:
     def completes(self) -> bool:
         """Reaches the newest token, so the step samples what follows."""
         return self.end == self.req.seq_len
+
+    @property
+    def resumes(self) -> bool:
+        """Ends just before the newest token of a request that has output already: a
+        retracted request whose cache is rebuilt. Its next token comes from a decode step
+        (a verify round with speculation), as if it had never been retracted."""
+        return bool(self.req.output_ids) and self.end == self.req.seq_len - 1

@@ -32,6 +32,7 @@ from runtime.core.result import RequestResult
 from runtime.core.sampling_params import SamplingParams
 from runtime.core.stats import EngineInfo, EngineStats
 from runtime.engine.fanout import fan_out
+from runtime.engine.request_limits import RequestLimits, longest_token_chars
 from runtime.engine.results import engine_stats, request_result
 from runtime.engine.sglang_output import render_generate
 from runtime.engine.tokenizer import load_tokenizer
@@ -83,6 +84,14 @@ class Engine:
             config.chunked_prefill_size,
         )
         self.info = self._info()
+        self.limits = RequestLimits(
+            vocab_size=self.model_config.vocab_size,
+            context_length=self.context_length,
+            max_n=config.max_n,
+            max_text_chars=None
+            if self.tokenizer is None
+            else self.context_length * longest_token_chars(self.tokenizer),
+        )
         self._ids = itertools.count()
         logger.info(
             "KV cache: %d token slots in pages of %d, %d request slots, %.1f MiB; speculative: %s",
@@ -131,25 +140,20 @@ class Engine:
         return getattr(self.model_config.hf_config, "bos_token_id", None) or 0
 
     # requests -----------------------------------------------------------------------------
-    def tokenize(self, prompt: str) -> list[int]:
+    def tokenize(
+        self, prompt: str, param: str = "text", add_special_tokens: bool = True
+    ) -> list[int]:
+        """Token ids of `prompt`; a 400 naming `param` for text no prompt can be made of
+        (lone surrogates, longer than the context could hold). Safe off the engine thread."""
         if self.tokenizer is None:
             raise InvalidRequestError(
-                "this engine has no tokenizer; send input_ids instead of text"
+                "this engine has no tokenizer; send input_ids instead of text", param=param
             )
-        return self.tokenizer.encode(prompt)
+        self.limits.check_text(prompt, param)
+        return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
 
-    def check_input_ids(self, ids) -> list[int]:
-        if not isinstance(ids, list) or not ids:
-            raise InvalidRequestError("empty prompt: send at least one token")
-        vocab = self.model_config.vocab_size
-        if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in ids):
-            raise InvalidRequestError(f"input_ids must be token ids in [0, {vocab})")
-        if len(ids) >= self.context_length:
-            raise InvalidRequestError(
-                f"the prompt has {len(ids)} tokens but the context length is "
-                f"{self.context_length}; shorten the prompt"
-            )
-        return ids
+    def check_input_ids(self, ids, param: str = "input_ids") -> list[int]:
+        return self.limits.check_prompt_ids(ids, param)
 
     def make_request(
         self,
@@ -159,39 +163,75 @@ class Engine:
         return_logprob: bool = False,
         top_logprobs_num: int = 0,
         logprob_start_len: int = -1,
+        parent_rid: str | None = None,
     ) -> Req:
-        """Validate and build one request (not queued yet)."""
+        """Validate and build one request (not queued yet). Every check a value could fail
+        inside a step is made here (see `request_limits`). Safe off the engine thread."""
         params = SamplingParams.from_dict(sampling_params)
+        self.limits.check_rid(rid)
         ids = self.check_input_ids(input_ids)
         if len(ids) + params.max_new_tokens > self.context_length:
             raise InvalidRequestError(
                 f"prompt ({len(ids)} tokens) + max_new_tokens ({params.max_new_tokens}) "
-                f"exceeds the context length {self.context_length}; lower max_new_tokens"
+                f"exceeds the context length {self.context_length}; lower max_new_tokens",
+                param="max_new_tokens",
             )
+        if params.stop_token_ids:
+            self.limits.check_token_ids(params.stop_token_ids, "stop_token_ids")
+        for stop in params.stop_strings:
+            self.limits.check_text(stop, "stop")
         if params.stop_strings and self.tokenizer is None:
-            raise InvalidRequestError("stop strings need a tokenizer; use stop_token_ids")
-        if top_logprobs_num < 0 or top_logprobs_num > self.model_config.vocab_size:
             raise InvalidRequestError(
-                f"top_logprobs_num must be in [0, {self.model_config.vocab_size}]"
+                "stop strings need a tokenizer; use stop_token_ids", param="stop"
+            )
+        if (
+            isinstance(top_logprobs_num, bool)
+            or not isinstance(top_logprobs_num, int)
+            or not 0 <= top_logprobs_num <= self.model_config.vocab_size
+        ):
+            raise InvalidRequestError(
+                f"top_logprobs_num must be an integer in [0, {self.model_config.vocab_size}]",
+                param="top_logprobs_num",
+            )
+        if isinstance(logprob_start_len, bool) or not isinstance(logprob_start_len, int):
+            raise InvalidRequestError(
+                "logprob_start_len must be an integer", param="logprob_start_len"
             )
         if logprob_start_len >= len(ids):
             raise InvalidRequestError(
-                f"logprob_start_len {logprob_start_len} must be < the prompt length {len(ids)}"
+                f"logprob_start_len {logprob_start_len} must be < the prompt length {len(ids)}",
+                param="logprob_start_len",
             )
         detok = None
         if self.tokenizer is not None:
             detok = IncrementalDetokenizer(
                 self.tokenizer, params.skip_special_tokens, params.spaces_between_special_tokens
             )
-        return Req(
+        req = Req(
             rid or self._new_rid(),
             list(ids),
             params,
-            return_logprob=return_logprob or top_logprobs_num > 0,
+            return_logprob=bool(return_logprob) or top_logprobs_num > 0,
             top_logprobs_num=top_logprobs_num,
             logprob_start_len=logprob_start_len if return_logprob else -1,
             detokenizer=detok,
+            parent_rid=parent_rid,
         )
+        self._check_admissible(req)
+        return req
+
+    def _check_admissible(self, req: Req) -> None:
+        """The KV pool must hold what the scheduler reserves to admit `req` alone, else it
+        could never run (SGLang rejects prompts past `max_total_tokens` the same way)."""
+        need = self.scheduler.tokens_to_admit(req)
+        capacity = self.slot_table.allocator.capacity_tokens
+        if need > capacity:
+            raise InvalidRequestError(
+                f"the prompt has {len(req.prompt_ids)} tokens and admitting it takes {need} "
+                f"token slots, but the KV cache holds {capacity}; shorten the prompt "
+                "(or raise --max-total-tokens)",
+                param="input_ids",
+            )
 
     def make_requests(
         self,
@@ -202,9 +242,15 @@ class Engine:
     ) -> list[Req]:
         """The `n` requests of one prompt (see `fanout`): ids `rid-k`, seeds offset by k."""
         params = SamplingParams.from_dict(sampling_params)
+        self.limits.check_n(params.n)
+        self.limits.check_rid(rid)
+        rid = rid or self._new_rid()
+        parent = rid if params.n > 1 else None
         return [
-            self.make_request(input_ids, choice, rid=choice_rid, **request_options)
-            for choice_rid, choice in fan_out(params, rid or self._new_rid())
+            self.make_request(
+                input_ids, choice, rid=choice_rid, parent_rid=parent, **request_options
+            )
+            for choice_rid, choice in fan_out(params, rid)
         ]
 
     def _new_rid(self) -> str:
@@ -226,11 +272,8 @@ class Engine:
         return self.scheduler.abort(rid, message)
 
     def abort_all(self, message: str) -> list[Req]:
-        """Abort every waiting and running request (e.g. after a failed step)."""
-        reqs = list(self.scheduler.running) + list(self.scheduler.waiting)
-        for req in reqs:
-            self.abort(req.rid, message)
-        return reqs
+        """Abort every waiting and running request (a shutdown, a scheduler failure)."""
+        return self.scheduler.abort_all(message)
 
     def flush_cache(self) -> bool:
         """SGLang's `/flush_cache`. There is no prefix cache to drop yet; like SGLang it is

@@ -26,6 +26,8 @@ def test_server_args_reuse_every_engine_field_and_default():
         "enable_metrics",
         "log_level",
         "served_model_name",
+        "max_body_size",
+        "graceful_shutdown_timeout",
     }
 
 
