@@ -67,7 +67,7 @@ def engine_stats(scheduler, slot_table: SlotTable, spec_stats=None) -> EngineSta
         )
     return EngineStats(
         num_running_reqs=len(scheduler.running),
-        num_waiting_reqs=len(scheduler.waiting),
+        num_waiting_reqs=scheduler.num_waiting,
         num_retractions=scheduler.num_retractions,
         available_tokens=available,
         available_request_slots=slot_table.req_pool.available(),
