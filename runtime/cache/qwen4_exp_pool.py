@@ -79,7 +79,8 @@ class Qwen4ExpKVPool:
         self.ple_conv = {
             i: zeros(max_reqs * self.ple_conv_ring, layout.hc_width) for i in layout.ple_layers
         }
-        max_blocks = max(1, geometry.max_context // max(layout.qsa_ratio, 1))
+        # every position a pass can touch, a partial last block included
+        max_blocks = max(1, -(-geometry.max_context // max(layout.qsa_ratio, 1)))
         self.qsa_blocks = (
             {i: zeros(max_reqs, max_blocks, dt=torch.bool) for i in self.k_cache}
             if reuses_qsa_selection

@@ -5,6 +5,12 @@
 returns their slots, `release(req)` gives everything back. A position keeps its slot for
 the request's lifetime, so a speculative token that is rejected and later rewritten at
 the same position reuses the same slot: nothing leaks, nothing moves.
+
+Every position past a request's reservation points into the scratch page: the page after
+the allocator's last one, which the cache pools hold but no request ever owns. A
+speculative pass writes a few positions past what a request can still commit (near its
+last token); those rows score tokens that are never emitted, so they need no slot of
+their own and cost the pool nothing.
 """
 
 from __future__ import annotations
@@ -25,12 +31,27 @@ class SlotTable:
     def req_to_token(self) -> torch.Tensor:
         return self.req_pool.req_to_token
 
+    @property
+    def scratch_page(self) -> int:
+        """The page past the allocator's last one (see the module docstring)."""
+        return self.allocator.num_pages
+
+    def scratch_slots(self, positions: torch.Tensor) -> torch.Tensor:
+        """Scratch slots of `positions`, each at its offset `p % page_size` as in a page."""
+        return self.scratch_page * self.page_size + positions % self.page_size
+
     def open_request(self) -> int | None:
         """A request slot with no pages, or None when every request slot is taken."""
         idx = self.req_pool.alloc()
         if idx is not None:
             self._pages[idx] = []
+            self._point_at_scratch(idx, 0)
         return idx
+
+    def _point_at_scratch(self, req_pool_idx: int, start: int) -> None:
+        row = self.req_to_token[req_pool_idx]
+        positions = torch.arange(start, row.shape[0], device=row.device)
+        row[start:] = self.scratch_slots(positions)
 
     def reserved_tokens(self, req_pool_idx: int) -> int:
         return len(self._pages[req_pool_idx]) * self.page_size
@@ -77,3 +98,4 @@ class SlotTable:
         if keep_pages < len(owned):
             self.allocator.free_pages(owned[keep_pages:])
             del owned[keep_pages:]
+            self._point_at_scratch(req_pool_idx, keep_pages * self.page_size)

@@ -55,7 +55,7 @@ class ModelRunner:
         self.slot_table, self.device = slot_table, device
         geometry = PoolGeometry(
             max_reqs=slot_table.req_pool.max_reqs,
-            num_pages=slot_table.allocator.num_pages,
+            num_pages=slot_table.allocator.num_pages + 1,  # + the scratch page (SlotTable)
             page_size=slot_table.page_size,
             max_tokens_per_pass=max_tokens_per_pass,
             dtype=model_config.dtype,

@@ -222,7 +222,9 @@ def prefill_draft_batch(
 ) -> DraftBatch:
     """A prefill step's rows for the draft. The row at position p is followed by the token
     at p + 1: a prompt token, or for a completing chunk's last row the token just sampled.
-    Only completing chunks get proposals; the others only fill the draft's cache."""
+    Completing chunks get proposals, and so do resuming ones (a retracted request rebuilt
+    up to its newest token, which follows the last row): its next verify round is the one
+    it would have run without the retraction. The others only fill the draft's cache."""
     following = [
         t
         for c, o in zip(chunks, outputs)
@@ -235,5 +237,5 @@ def prefill_draft_batch(
         next_tokens=torch.tensor(following, dtype=torch.long),
         target_hidden=target_hidden,
         gather_rows=[c.length - 1 for c in chunks],
-        propose=[c.completes for c in chunks],
+        propose=[c.completes or c.resumes for c in chunks],
     )
