@@ -4,8 +4,10 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
 import sys
+import threading
 
 # Spinning OpenMP workers starve each other (and the HTTP threads) when the CPU is shared;
 # must be set before torch loads.
@@ -14,6 +16,40 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 from runtime.server_args import ServerArgs
 
 logger = logging.getLogger("runtime.launch_server")
+
+# After the grace period the engine aborts what is left; the handlers then answer their
+# clients (finish reason "abort") within this many seconds, or uvicorn cancels them.
+ABORT_DRAIN_S = 5.0
+
+
+def graceful_server(app, args: ServerArgs):
+    """A uvicorn server whose SIGTERM / SIGINT waits `--graceful-shutdown-timeout` seconds
+    for running requests, then aborts them in the engine (their clients get what was
+    generated so far) and exits; a second signal exits at once (uvicorn's own rule)."""
+    import uvicorn
+
+    engine = app.state.server.engine
+    grace = args.graceful_shutdown_timeout
+
+    class GracefulServer(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            first = not self.should_exit
+            super().handle_exit(sig, frame)
+            if first:
+                logger.info("shutting down: running requests get %.0f s to finish", grace)
+                message = "the server is shutting down (--graceful-shutdown-timeout passed)"
+                timer = threading.Timer(grace, engine.abort_all, args=(message,))
+                timer.daemon = True
+                timer.start()
+
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level.lower(),
+        timeout_graceful_shutdown=math.ceil(grace + ABORT_DRAIN_S),
+    )
+    return GracefulServer(config)
 
 
 def build(args: ServerArgs):
@@ -63,13 +99,11 @@ def main(argv: list[str] | None = None) -> None:
         ),
         flush=True,
     )
-    import uvicorn
-
     print(
         f"serving {args.served_model_name or engine.model_path} on http://{args.host}:{args.port}",
         flush=True,
     )
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower())
+    graceful_server(app, args).run()
 
 
 if __name__ == "__main__":

@@ -14,8 +14,9 @@ from fastapi.responses import PlainTextResponse, Response
 
 from runtime.core.errors import InvalidRequestError
 from runtime.core.version import package_version
+from runtime.server.errors import error_response
+from runtime.server.request_body import json_body
 from runtime.server.state import State
-from runtime.server.streaming import json_body
 
 router = APIRouter()
 
@@ -79,12 +80,22 @@ async def flush_cache(state: State):
 
 @router.post("/abort_request")
 async def abort_request(request: Request, state: State):
+    """SGLang's abort: `{"rid": ...}` aborts that request, or every choice of the `n > 1`
+    request the client named so; `{"abort_all": true}` aborts everything. An id nothing
+    live has is a 404 saying so (SGLang answers 200 and does nothing)."""
     body = await json_body(request)
+    if isinstance(body, dict) and body.get("abort_all") is True:
+        state.engine.abort_all("aborted by the client (abort_all)")
+        return {"aborted": "all"}
     rid = body.get("rid") if isinstance(body, dict) else None
     if not isinstance(rid, str):
-        raise InvalidRequestError("send {'rid': '<request id>'}")
-    state.engine.abort(rid)
-    return Response(status_code=200)
+        raise InvalidRequestError("send {'rid': '<request id>'}", param="rid")
+    aborted = state.engine.abort(rid)
+    if not aborted:
+        return error_response(
+            request, f"no live request has the id '{rid}': nothing was aborted", 404, "rid"
+        )
+    return {"aborted": aborted}
 
 
 @router.get("/metrics")

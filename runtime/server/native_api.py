@@ -4,18 +4,21 @@ the engine's SGLang renderer (the same one `Engine.generate` uses)."""
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
+from starlette.concurrency import run_in_threadpool
 
 from runtime.core.errors import InvalidRequestError
 from runtime.core.request import Req
 from runtime.core.result import RequestResult
 from runtime.engine.engine import Engine
 from runtime.engine.sglang_output import render_generate
-from runtime.server.state import ServerState, State
-from runtime.server.streaming import collect, json_body, merged, sse
+from runtime.server.request_body import json_body
+from runtime.server.state import State
+from runtime.server.streaming import collect, guarded_sse, merged, sse
 
 router = APIRouter()
 
@@ -40,7 +43,9 @@ def _expect(value, types, name: str):
         return None
     if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
         kinds = " or ".join(t.__name__ for t in types)
-        raise InvalidRequestError(f"'{name}' must be {kinds}, got {type(value).__name__}")
+        raise InvalidRequestError(
+            f"'{name}' must be {kinds}, got {type(value).__name__}", param=name
+        )
     return value
 
 
@@ -66,7 +71,8 @@ def _prompts(body: dict, engine: Engine) -> tuple[list, bool]:
         texts = text if batched else [text]
         if any(not isinstance(t, str) for t in texts):
             raise InvalidRequestError("'text' must be a string or a list of strings")
-        prompts = [engine.tokenize(t) if t else [] for t in texts]
+        param = "text" if not batched else "text[{}]"
+        prompts = [engine.tokenize(t, param.format(i)) if t else [] for i, t in enumerate(texts)]
     else:
         _expect(input_ids, list, "input_ids")
         batched = bool(input_ids) and isinstance(input_ids[0], list)
@@ -81,7 +87,7 @@ def _per_prompt(value, count: int, name: str, kind: type) -> list:
     (or null) is shared."""
     if isinstance(value, list):
         if len(value) != count:
-            raise InvalidRequestError(f"'{name}' list must have one entry per prompt")
+            raise InvalidRequestError(f"'{name}' list must have one entry per prompt", param=name)
         for item in value:
             _expect(item, kind, name)
         return value
@@ -99,7 +105,9 @@ def parse_generate(body, engine: Engine) -> GenerateCall:
     params = _per_prompt(body.get("sampling_params"), len(prompts), "sampling_params", dict)
     rids = _per_prompt(body.get("rid"), len(prompts), "rid", str)
     if isinstance(body.get("rid"), str) and len(prompts) > 1:
-        raise InvalidRequestError("'rid' must be a list with one id per prompt for a batch")
+        raise InvalidRequestError(
+            "'rid' must be a list with one id per prompt for a batch", param="rid"
+        )
     stream = bool(_expect(body.get("stream", False), bool, "stream"))
     start = _expect(body.get("logprob_start_len", -1), int, "logprob_start_len")
     options = dict(
@@ -120,8 +128,10 @@ def response_shape(call: GenerateCall, results: list[RequestResult]):
     return rendered[0] if not call.batched and len(rendered) == 1 else rendered
 
 
-async def _stream(state: ServerState, reqs: list[Req], indexed: bool):
-    async for index, snapshot in merged(state.engine, reqs):
+async def _stream(
+    snapshots: AsyncIterator[tuple[int, RequestResult]], indexed: bool
+) -> AsyncIterator[str]:
+    async for index, snapshot in snapshots:
         payload = render_generate(snapshot)
         if indexed:
             payload["index"] = index
@@ -131,9 +141,16 @@ async def _stream(state: ServerState, reqs: list[Req], indexed: bool):
 
 @router.post("/generate")
 async def generate(request: Request, state: State):
-    call = parse_generate(await json_body(request), state.core)
+    """Parsing and tokenizing run in a worker thread (a long prompt must not stall the
+    event loop); a live `rid` is refused with 409."""
+    body = await json_body(request)
+    call = await run_in_threadpool(parse_generate, body, state.core)
     reqs = call.requests
+    state.engine.submit(reqs)
     if call.stream:
         indexed = call.batched or len(reqs) > 1
-        return StreamingResponse(_stream(state, reqs, indexed), media_type="text/event-stream")
+        events = _stream(merged(request, state.engine, reqs), indexed)
+        return StreamingResponse(
+            guarded_sse(events, request.url.path), media_type="text/event-stream"
+        )
     return response_shape(call, await collect(request, state.engine, reqs))

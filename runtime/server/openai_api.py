@@ -14,9 +14,10 @@ from dataclasses import dataclass
 
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
+from starlette.concurrency import run_in_threadpool
 
-from runtime.core.request import Req
 from runtime.core.result import RequestResult
+from runtime.engine.engine import Engine
 from runtime.server import openai_render as render
 from runtime.server.openai_protocol import (
     ChatCompletionRequest,
@@ -24,9 +25,11 @@ from runtime.server.openai_protocol import (
     chat_requests,
     check_model,
     completion_requests,
+    with_openai_names,
 )
+from runtime.server.request_body import model_body
 from runtime.server.state import ServerState, State
-from runtime.server.streaming import collect, merged, sse
+from runtime.server.streaming import collect, guarded_sse, merged, sse
 
 router = APIRouter(prefix="/v1")
 
@@ -43,10 +46,16 @@ class StreamFormat:
 
 
 async def openai_stream(
-    state: ServerState, reqs: list[Req], n: int, fmt: StreamFormat, include_usage: bool
+    state: ServerState,
+    snapshots: AsyncIterator[tuple[int, RequestResult]],
+    count: int,
+    n: int,
+    fmt: StreamFormat,
+    include_usage: bool,
 ) -> AsyncIterator[str]:
-    """Server-sent chunks of `reqs` (choice i is request i): each carries the text and
-    logprobs new since that choice's previous chunk; then usage (if asked) and [DONE]."""
+    """Server-sent chunks of `count` requests (choice i is request i, `snapshots` from
+    `merged`): each carries the text and logprobs new since that choice's previous chunk;
+    then usage (if asked) and [DONE]."""
     cid, created = f"{fmt.id_prefix}-{uuid.uuid4().hex}", int(time.time())
 
     def chunk(choices: list[dict], **extra) -> str:
@@ -54,10 +63,10 @@ async def openai_stream(
         return sse({**head, "choices": choices, **extra})
 
     if fmt.opening is not None:
-        for i in range(len(reqs)):
+        for i in range(count):
             yield chunk([fmt.opening(i)])
-    sent_text, sent_tokens, finals = [""] * len(reqs), [0] * len(reqs), {}
-    async for i, snapshot in merged(state.engine, reqs):
+    sent_text, sent_tokens, finals = [""] * count, [0] * count, {}
+    async for i, snapshot in snapshots:
         text = snapshot.text or ""
         reason, matched = render.finish_reason(snapshot)
         logprobs = fmt.logprobs(snapshot, sent_tokens[i]) if fmt.logprobs else None
@@ -68,12 +77,28 @@ async def openai_stream(
         if delta or reason:
             yield chunk([fmt.choice(i, delta, reason, matched, logprobs)])
     if include_usage:
-        yield chunk([], usage=render.usage([finals[i] for i in range(len(reqs))], n))
+        yield chunk([], usage=render.usage([finals[i] for i in range(count)], n))
     yield sse("[DONE]")
 
 
-def _streaming(generator: AsyncIterator[str]) -> StreamingResponse:
-    return StreamingResponse(generator, media_type="text/event-stream")
+def _streaming(request: Request, generator: AsyncIterator[str]) -> StreamingResponse:
+    return StreamingResponse(
+        guarded_sse(generator, request.url.path), media_type="text/event-stream"
+    )
+
+
+def _echo_texts(body: CompletionRequest, reqs, engine: Engine) -> list[str] | None:
+    if not body.echo:
+        return None
+    tokenizer = engine.tokenizer
+    return [tokenizer.decode(r.prompt_ids) if tokenizer else "" for r in reqs[:: body.n]]
+
+
+def _prepare_completion(body: CompletionRequest, engine: Engine):
+    """Requests (and echo texts) of a completion call: tokenizing and detokenizing, so it
+    runs in a worker thread."""
+    reqs = with_openai_names(completion_requests, body, engine)
+    return reqs, _echo_texts(body, reqs, engine)
 
 
 @router.get("/models")
@@ -94,9 +119,11 @@ async def models(state: State):
 
 
 @router.post("/completions")
-async def completions(body: CompletionRequest, request: Request, state: State):
+async def completions(request: Request, state: State):
+    body = await model_body(request, CompletionRequest)
     check_model(body.model, state.served_names)
-    reqs = completion_requests(body, state.core)
+    reqs, echo = await run_in_threadpool(_prepare_completion, body, state.core)
+    state.engine.submit(reqs)
     tokenizer = state.core.tokenizer
     wants_logprobs = body.logprobs is not None
     if body.stream:
@@ -108,20 +135,37 @@ async def completions(body: CompletionRequest, request: Request, state: State):
             if wants_logprobs
             else None,
         )
-        return _streaming(openai_stream(state, reqs, body.n, fmt, body.include_usage))
-    echo = None
-    if body.echo:
-        echo = [tokenizer.decode(r.prompt_ids) if tokenizer else "" for r in reqs[:: body.n]]
+        snapshots = merged(request, state.engine, reqs)
+        return _streaming(
+            request,
+            openai_stream(state, snapshots, len(reqs), body.n, fmt, body.include_usage),
+        )
     results = await collect(request, state.engine, reqs)
-    return render.completion_response(
-        results, body.n, state.model_name, tokenizer, echo, wants_logprobs
+    return await run_in_threadpool(
+        render.completion_response,
+        results,
+        body.n,
+        state.model_name,
+        tokenizer,
+        echo,
+        wants_logprobs,
     )
 
 
 @router.post("/chat/completions")
-async def chat(body: ChatCompletionRequest, request: Request, state: State):
+async def chat(request: Request, state: State):
+    body = await model_body(request, ChatCompletionRequest)
     check_model(body.model, state.served_names)
-    reqs = chat_requests(body, state.core)
+    reqs = await run_in_threadpool(
+        with_openai_names,
+        chat_requests,
+        body,
+        state.core,
+        input_ids="messages",
+        text="messages",
+        top_logprobs_num="top_logprobs",
+    )
+    state.engine.submit(reqs)
     tokenizer = state.core.tokenizer
     if body.stream:
         fmt = StreamFormat(
@@ -131,6 +175,12 @@ async def chat(body: ChatCompletionRequest, request: Request, state: State):
             (lambda r, start: render.chat_logprobs(r, tokenizer, start)) if body.logprobs else None,
             opening=render.chat_opening_choice,
         )
-        return _streaming(openai_stream(state, reqs, body.n, fmt, body.include_usage))
+        snapshots = merged(request, state.engine, reqs)
+        return _streaming(
+            request,
+            openai_stream(state, snapshots, len(reqs), body.n, fmt, body.include_usage),
+        )
     results = await collect(request, state.engine, reqs)
-    return render.chat_response(results, body.n, state.model_name, tokenizer, body.logprobs)
+    return await run_in_threadpool(
+        render.chat_response, results, body.n, state.model_name, tokenizer, body.logprobs
+    )

@@ -5,6 +5,11 @@ they become."""
 
 from __future__ import annotations
 
+import re
+from collections.abc import Callable
+from typing import Literal, TypeVar
+
+import jinja2
 from pydantic import BaseModel, ConfigDict, Field
 
 from runtime.core.errors import InvalidRequestError
@@ -62,7 +67,8 @@ class _SamplingFields(BaseModel):
             n=self.n,
             sampling_seed=self.seed,
         )
-        params.normalize()
+        with openai_names():
+            params.normalize()
         return params
 
 
@@ -73,10 +79,14 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
 
 
+# The roles of the OpenAI chat API ("developer" is the newer name of "system").
+ChatRole = Literal["system", "developer", "user", "assistant", "tool", "function"]
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
-    role: str
+    role: ChatRole
     content: str | list[dict] | None = None
 
 
@@ -86,6 +96,43 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+
+
+# SGLang's names of the fields the OpenAI API names differently, for error messages.
+_OPENAI_NAMES = {
+    "sampling_seed": "seed",
+    "max_new_tokens": "max_tokens",
+    "min_new_tokens": "min_tokens",
+    "input_ids": "prompt",
+    "text": "prompt",
+    "top_logprobs_num": "logprobs",
+}
+_OPENAI_NAME_PATTERN = re.compile(r"\b(" + "|".join(_OPENAI_NAMES) + r")\b")
+
+
+class openai_names:  # noqa: N801 - used as a context manager, like contextlib's helpers
+    """Re-raise an `InvalidRequestError` with the OpenAI API's field names."""
+
+    def __init__(self, **renamed: str):
+        self.names = {**_OPENAI_NAMES, **renamed}
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, error, tb):
+        if not isinstance(error, InvalidRequestError):
+            return False
+        message = _OPENAI_NAME_PATTERN.sub(lambda m: self.names[m.group(1)], str(error))
+        param = self.names.get(error.param, error.param)
+        raise type(error)(message, param=param) from None
+
+
+T = TypeVar("T")
+
+
+def with_openai_names(build: Callable[..., T], *args, **renamed: str) -> T:
+    with openai_names(**renamed):
+        return build(*args)
 
 
 def check_model(requested: str | None, served: set[str]) -> None:
@@ -111,11 +158,11 @@ def _max_tokens(requested: int | None, prompt_len: int, engine: Engine) -> int:
 def completion_prompts(body: CompletionRequest, engine: Engine) -> list[list[int]]:
     prompt = body.prompt
     if isinstance(prompt, str):
-        return [engine.tokenize(prompt)]
+        return [engine.tokenize(prompt, "prompt")]
     if not prompt:
-        raise InvalidRequestError("empty prompt: send at least one token")
+        raise InvalidRequestError("empty prompt: send at least one token", param="prompt")
     if isinstance(prompt[0], str):
-        return [engine.tokenize(p) for p in prompt]
+        return [engine.tokenize(p, f"prompt[{i}]") for i, p in enumerate(prompt)]
     if isinstance(prompt[0], int):
         return [list(prompt)]
     return [list(p) for p in prompt]
@@ -139,16 +186,20 @@ def completion_requests(body: CompletionRequest, engine: Engine) -> list[Req]:
 # /v1/chat/completions
 
 
-def _message_text(message: ChatMessage) -> str:
+def _message_text(message: ChatMessage, index: int) -> str:
     if message.content is None or isinstance(message.content, str):
         return message.content or ""
     parts = []
-    for part in message.content:
+    for j, part in enumerate(message.content):
+        where = f"messages[{index}].content[{j}]"
         if part.get("type") != "text":
             raise InvalidRequestError(
-                f"message content of type '{part.get('type')}' is not supported"
+                f"message content of type '{part.get('type')}' is not supported", param=where
             )
-        parts.append(part.get("text", ""))
+        text = part.get("text", "")
+        if not isinstance(text, str):
+            raise InvalidRequestError(f"'{where}.text' must be a string", param=f"{where}.text")
+        parts.append(text)
     return "".join(parts)
 
 
@@ -164,9 +215,18 @@ def chat_prompt_ids(body: ChatCompletionRequest, engine: Engine) -> list[int]:
         raise InvalidRequestError(
             "this model's tokenizer has no chat template; use /v1/completions"
         )
-    messages = [{"role": m.role, "content": _message_text(m)} for m in body.messages]
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return tokenizer.encode(text, add_special_tokens=False)
+    messages = [
+        {"role": m.role, "content": _message_text(m, i)} for i, m in enumerate(body.messages)
+    ]
+    for message in messages:  # the templated text is checked again before tokenizing
+        engine.limits.check_text(message["content"], "messages")
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except jinja2.TemplateError as err:  # the template refuses these messages
+        raise InvalidRequestError(
+            f"the chat template refused the messages: {err}", param="messages"
+        ) from None
+    return engine.tokenize(text, "messages", add_special_tokens=False)
 
 
 def chat_requests(body: ChatCompletionRequest, engine: Engine) -> list[Req]:
