@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """DeepSeek-V4 cache buffers, one set per attention layer.
 
-Kinds of storage (see research/deepseek_v4.md section 2.6 and 5.3):
+Kinds of storage (the compressors of transformers' `modeling_deepseek_v4.py` keep the same
+state in `DeepseekV4CSACache` / `DeepseekV4HCACache`):
 
 * sliding-window KV: a ring of `swa_ring` rows per request slot, row = position % ring.
   The ring is longer than the window by the most tokens one request writes in a verify

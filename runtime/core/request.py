@@ -101,6 +101,13 @@ class Req:
         """Everything but the newest token is cached: the next step is a decode step."""
         return bool(self.output_ids) and self.num_cached == self.seq_len - 1
 
+    def record_verify_round(self, num_accepted: int, num_drafts: int) -> None:
+        """Count one speculative verify round that accepted `num_accepted` of `num_drafts`."""
+        if not self.spec_accept_hist:
+            self.spec_accept_hist = [0] * (num_drafts + 1)
+        self.spec_accept_hist[num_accepted] += 1
+        self.spec_verify_ct += 1
+
     def finish(self, reason: FinishReason) -> None:
         self.finish_reason = reason
         self.finished_at = time.perf_counter()

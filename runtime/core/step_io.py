@@ -19,6 +19,9 @@ class TokenOutput:
     input_logprobs: list[tuple[int, float | None]] | None = None
     input_top_logprobs: list[list[tuple[float, int]] | None] | None = None
     input_token_ids_logprobs: list[list[tuple[float, int]] | None] | None = None
+    # speculative decoding
+    num_accepted_drafts: int | None = None  # a verify round: drafts accepted (0..S)
+    draft_tokens: list[int] | None = None  # the drafts the next verify round checks
 
 
 @dataclass

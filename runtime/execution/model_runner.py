@@ -91,10 +91,5 @@ class ModelRunner:
     def forward(self, inp: ModelInput) -> LogitsProcessorOutput:
         ctx = self.build_context(inp)
         return self.model(
-            ctx,
-            inp.input_ids.to(self.device),
-            ctx.positions,
-            ctx.out_cache_loc,
-            captured_hidden_states=inp.captured_hidden_states,
-            spec_step_idx=inp.spec_step_idx,
+            ctx, inp.input_ids.to(self.device), inp.captured_hidden_states, inp.spec_step_idx
         )

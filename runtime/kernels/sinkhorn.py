@@ -2,7 +2,7 @@
 """Sinkhorn normalisation of mHC mixing matrices (DeepSeek-V4).
 
 `logits [..., n, n]` -> row softmax + eps, a column pass, then `iters - 1` row + column
-passes, every denominator padded by eps (research/deepseek_v4.md section 2.2).
+passes, every denominator padded by eps (transformers' `DeepseekV4HyperConnection`).
 
 The matrices are tiny (4 x 4) and the loop has ~80 elementwise steps, so the cost is
 per-op dispatch. On CPU with few rows, numpy's per-op overhead is about half of torch's;

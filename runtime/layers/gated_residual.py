@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Gated residual hyper-connections (Qwen4Exp "GR"; research/qwen4exp.md section 2.4).
+"""Gated residual hyper-connections (Qwen4Exp "GR"; transformers'
+`Qwen4ExpTextGatedResidual`).
 
 The residual is `n` streams stored flat, `R [T, n*H]` (stream-major). Around a block:
 

@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Qwen4Exp PLE: hashed n-gram per-layer embedding (research/qwen4exp.md section 2.9).
+"""Qwen4Exp PLE: hashed n-gram per-layer embedding (transformers'
+`Qwen4ExpTextNGramEmbedding` and `Qwen4ExpTextPLELayer`).
 
 For each token, the bigram (t_{p-1}, t_p) and trigram (t_{p-2}, t_{p-1}, t_p) are hashed
 (`t_s * m_s`, XOR-combined) into `heads_per_ngram` prime-sized tables each; the looked-up

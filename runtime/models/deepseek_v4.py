@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""DeepSeek-V4 target model (research/deepseek_v4.md section 2).
+"""DeepSeek-V4 target model (transformers' `models/deepseek_v4/modeling_deepseek_v4.py`).
 
     X = repeat(embed(ids), hc)                              [T, hc, H]
     per layer:  a, post, comb = hc_pre(X);  X = post*Attn(attn_norm(a)) + comb^T X
@@ -13,31 +13,23 @@ returned flattened `[T, hc*H]` when the context asks for hidden capture.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable
 
 import torch
 from torch import nn
 
 from runtime.cache.deepseek_v4_pool import DeepseekV4CacheLayout, DeepseekV4KVPool
-from runtime.cache.pool_geometry import PoolGeometry
 from runtime.core.forward_context import ForwardContext
-from runtime.core.model_output import LogitsProcessorOutput
 from runtime.distributed import Mapping
 from runtime.layers.attention.deepseek_v4 import DeepseekV4Attention, RopeInputs
-from runtime.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from runtime.layers.embedding import VocabParallelEmbedding
 from runtime.layers.hyper_connection import hc_head, hc_post, hc_pre
-from runtime.layers.logits_processor import LogitsProcessor
 from runtime.layers.mlp import SwiGLUMLP
-from runtime.layers.moe import (
-    ExpertCheckpointSchema,
-    FusedMoEExperts,
-    MoECheckpointLoader,
-    select_experts,
-)
+from runtime.layers.moe import ExpertCheckpointSchema, FusedMoEExperts, select_experts
 from runtime.layers.norm import RMSNorm
 from runtime.layers.rotary import RotaryEmbedding
-from runtime.layers.weight_utils import WeightLoadTracker, make_param
+from runtime.layers.weight_utils import make_param
+from runtime.models.base import ParamTarget, TargetModel
 
 # ---------------------------------------------------------------------------------------
 # Config helpers
@@ -69,6 +61,22 @@ def build_rope(config, kind: str) -> RotaryEmbedding:
 
 def build_ropes(config) -> dict[str, RotaryEmbedding]:
     return {kind: build_rope(config, kind) for kind in ("main", "compress")}
+
+
+def rope_inputs(ropes: Iterable[tuple[str, RotaryEmbedding]], positions) -> dict[str, RopeInputs]:
+    """cos/sin of every rope kind at `positions`, computed once per forward."""
+    return {kind: RopeInputs(rope, *rope.cos_sin(positions)) for kind, rope in ropes}
+
+
+def cache_layout_of(config, layer_ids: Iterable[int]) -> DeepseekV4CacheLayout:
+    """The cache layout of the given (global) layer ids, in order."""
+    return DeepseekV4CacheLayout(
+        compress_ratios=tuple(compress_ratio_of(config, i) for i in layer_ids),
+        head_dim=config.head_dim,
+        index_head_dim=config.index_head_dim,
+        sliding_window=config.sliding_window,
+        indexer_ratio=config.compress_rates["compressed_sparse_attention"],
+    )
 
 
 # ---------------------------------------------------------------------------------------
@@ -128,7 +136,8 @@ class DeepseekV4MoE(nn.Module):
 
 
 class DeepseekV4DecoderLayer(nn.Module):
-    """Attention and MoE sub-blocks, each wrapped in hc_pre / hc_post (section 2.3)."""
+    """Attention and MoE sub-blocks, each wrapped in hc_pre / hc_post (transformers'
+    `DeepseekV4DecoderLayer` with its `DeepseekV4HyperConnection`s)."""
 
     def __init__(self, config, layer_id: int, mapping: Mapping, cache_layer: int | None = None):
         super().__init__()
@@ -211,22 +220,13 @@ class DeepseekV4Model(nn.Module):
         self.hc_head_scale = make_param((1,), torch.float32)
         self.ropes = nn.ModuleDict(build_ropes(config))
 
-    def rope_inputs(self, positions: torch.Tensor) -> dict[str, RopeInputs]:
-        return {
-            kind: RopeInputs(rope, *rope.cos_sin(positions)) for kind, rope in self.ropes.items()
-        }
-
     def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        ctx: ForwardContext,
-        input_embeds: torch.Tensor | None = None,
+        self, ctx: ForwardContext, input_ids: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns `(normed hidden [T, H], residual streams before hc_head [T, hc*H])`."""
-        embeds = self.embed_tokens(input_ids) if input_embeds is None else input_embeds
+        embeds = self.embed_tokens(input_ids)
         x = embeds.unsqueeze(1).expand(-1, self.hc_mult, -1).contiguous()
-        ropes = self.rope_inputs(positions)
+        ropes = rope_inputs(self.ropes.items(), ctx.positions)
         for layer in self.layers:
             x = layer(x, ctx, input_ids, ropes)
         cfg = self.config
@@ -313,12 +313,6 @@ def hf_to_released_name(name: str) -> str:
     return name
 
 
-@dataclass(frozen=True)
-class ParamTarget:
-    param: str
-    shard_id: int | None = None
-
-
 def map_released_name(name: str) -> ParamTarget | None:
     """Released checkpoint name -> runtime parameter (None for tensors the target skips).
     Per-expert weights keep their `experts.E.wN` form for the MoE checkpoint loader."""
@@ -332,7 +326,7 @@ def map_released_name(name: str) -> ParamTarget | None:
     if ".experts." not in name:
         for param, ckpt, shard in STACKED_PARAMS:
             if f".{ckpt}." in name:
-                return ParamTarget(name.replace(f".{ckpt}.", f".{param}."), shard)
+                return ParamTarget(name.replace(f".{ckpt}.", f".{param}."), (shard,))
     return ParamTarget(name)
 
 
@@ -341,101 +335,33 @@ def map_released_name(name: str) -> ParamTarget | None:
 # ---------------------------------------------------------------------------------------
 
 
-class DeepseekV4ForCausalLM(nn.Module):
-    """Forward contract: `forward(ctx, input_ids, positions, out_cache_loc, ...)` returns a
-    `LogitsProcessorOutput` for `ctx.logits_row_indices`; with hidden capture it carries the
-    pre-`hc_head` streams `[T, hc*H]` that the MTP draft consumes."""
+class DeepseekV4ForCausalLM(TargetModel):
+    """With hidden capture the output carries the pre-`hc_head` streams `[T, hc*H]` that the
+    MTP draft consumes. Loads released (`layers.N.attn.wq_a.weight`, ...) or transformers
+    names; `mtp.*` is left to the draft model (and not even read)."""
 
-    draft_architecture = "DeepseekV4ForCausalLMNextN"  # its MTP draft, for NEXTN
+    model_name = "DeepSeek-V4 target"
+    draft_architecture = "DeepseekV4ForCausalLMNextN"
+    cache_pool_class = DeepseekV4KVPool
+    expert_schema = EXPERT_SCHEMA
 
     @staticmethod
     def has_draft_layers(config) -> bool:
         return (getattr(config, "num_nextn_predict_layers", 0) or 0) >= 1
 
-    def __init__(self, config, mapping: Mapping | None = None, quant_config=None, prefix: str = ""):
-        super().__init__()
-        self.config, self.mapping = config, mapping or Mapping.single()
-        self.model = DeepseekV4Model(config, self.mapping)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, self.mapping.attn.tp)
-        self.logits_processor = LogitsProcessor()
+    def build_model(self, config, mapping: Mapping) -> DeepseekV4Model:
+        return DeepseekV4Model(config, mapping)
 
-    @torch.no_grad()
-    def forward(
-        self,
-        ctx: ForwardContext,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        out_cache_loc: torch.Tensor,
-        input_embeds: torch.Tensor | None = None,
-        captured_hidden_states: torch.Tensor | None = None,
-        spec_step_idx: int = 0,
-    ) -> LogitsProcessorOutput:
-        hidden, streams = self.model(input_ids, positions, ctx, input_embeds)
-        return self.logits_processor(hidden, self.lm_head, ctx, aux_hidden=streams)
-
-    @staticmethod
-    def skip_checkpoint_weight(name: str) -> bool:
-        """The draft's `mtp.*` tensors are not even read when loading the target."""
-        return name.startswith("mtp.")
-
-    def get_embed_and_head(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.model.embed_tokens.weight, self.lm_head.weight
-
-    # caches -------------------------------------------------------------------------------
     @classmethod
     def cache_layout(cls, config) -> DeepseekV4CacheLayout:
-        return DeepseekV4CacheLayout(
-            compress_ratios=tuple(
-                compress_ratio_of(config, i) for i in range(config.num_hidden_layers)
-            ),
-            head_dim=config.head_dim,
-            index_head_dim=config.index_head_dim,
-            sliding_window=config.sliding_window,
-            indexer_ratio=config.compress_rates["compressed_sparse_attention"],
-        )
+        return cache_layout_of(config, range(config.num_hidden_layers))
 
-    @classmethod
-    def create_cache_pool(cls, config, geometry: PoolGeometry) -> DeepseekV4KVPool:
-        return DeepseekV4KVPool(cls.cache_layout(config), geometry)
+    @property
+    def num_routed_experts(self) -> int:
+        return self.config.n_routed_experts
 
-    # weights ------------------------------------------------------------------------------
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Loads released (`layers.N.attn.wq_a.weight`, ...) or transformers names; `mtp.*`
-        is left to the draft model. Raises on a missing or mis-shaped tensor, naming it."""
-        tracker = load_released_weights(self, weights, hf_to_released_name)
-        tracker.raise_if_incomplete(what="DeepSeek-V4 target")
-        return tracker.loaded_params
-
-
-def load_released_weights(
-    model: nn.Module,
-    weights: Iterable[tuple[str, torch.Tensor]],
-    to_released: Callable[[str], str | None],
-    shared_params: tuple[str, ...] = (),
-) -> WeightLoadTracker:
-    """Feed checkpoint tensors to `model`'s parameters through the released naming.
-
-    `to_released` turns a checkpoint name into a released name (None skips the tensor);
-    `shared_params` are parameters another model provides (not required here).
-    """
-    params = {n: p for n, p in model.named_parameters() if n not in shared_params}
-    tracker = WeightLoadTracker(params)
-    ep = model.mapping.moe.ep
-    experts = MoECheckpointLoader(EXPERT_SCHEMA, model.config.n_routed_experts, ep.rank, ep.size)
-    for raw_name, tensor in weights:
-        released = to_released(raw_name)
-        target = None if released is None else map_released_name(released)
-        if target is None:
-            continue
-        expert = experts.map(target.param)
-        if expert is not None:
-            if expert.local:
-                tracker.load(raw_name, expert.param, tensor, expert.shard_id, expert.expert_id)
-            continue
-        tracker.load(
-            raw_name, target.param, tensor, *(() if target.shard_id is None else (target.shard_id,))
-        )
-    return tracker
+    def map_weight_name(self, name: str) -> ParamTarget | None:
+        return map_released_name(hf_to_released_name(name))
 
 
 EntryClass = [DeepseekV4ForCausalLM]

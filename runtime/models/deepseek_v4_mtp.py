@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""DeepSeek-V4 MTP (NextN) draft model (research/deepseek_v4.md section 3; seed 000).
+"""DeepSeek-V4 MTP (NextN) draft model, after TokenSpeed's `deepseek_nextn.py` and vLLM's
+`deepseek_mtp.py` (the block itself is transformers' `DeepseekV4DecoderLayer`).
 
 Per row at position i, with the target's pre-`hc_head` streams `h_i [hc, H]` and the
 embedding of the *next* token `t_{i+1}`:
@@ -18,34 +19,27 @@ Embedding and LM head are the target's (`set_embed_and_head`).
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
 
 import torch
 from torch import nn
 
 from runtime.cache.deepseek_v4_pool import DeepseekV4CacheLayout, DeepseekV4KVPool
-from runtime.cache.pool_geometry import PoolGeometry
 from runtime.core.forward_context import ForwardContext
-from runtime.core.model_output import LogitsProcessorOutput
 from runtime.distributed import Mapping
 from runtime.layers.attention.deepseek_v4 import RopeInputs
-from runtime.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from runtime.layers.embedding import VocabParallelEmbedding
 from runtime.layers.hyper_connection import hc_head
 from runtime.layers.linear import ReplicatedLinear
-from runtime.layers.logits_processor import LogitsProcessor
 from runtime.layers.norm import RMSNorm
 from runtime.layers.weight_utils import make_param
+from runtime.models.base import MISSING_MTP_ADVICE, DraftModel, ParamTarget
 from runtime.models.deepseek_v4 import (
+    EXPERT_SCHEMA,
     DeepseekV4DecoderLayer,
     build_ropes,
-    compress_ratio_of,
-    load_released_weights,
-)
-from runtime.models.draft_common import SharesTargetEmbedHead
-
-MISSING_MTP_ADVICE = (
-    "Use a checkpoint that includes `mtp.*` weights, or drop "
-    "--speculative-algorithm to serve without speculative decoding."
+    cache_layout_of,
+    map_released_name,
+    rope_inputs,
 )
 
 # Tensors that sit on the MTP layer itself; everything else belongs to its decoder block.
@@ -114,15 +108,14 @@ class DeepseekV4MultiTokenPredictorLayer(nn.Module):
 
     def forward(
         self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        prev_hidden: torch.Tensor,
-        input_embeds: torch.Tensor,
         ctx: ForwardContext,
+        input_ids: torch.Tensor,
+        prev_hidden: torch.Tensor,
+        embeds: torch.Tensor,
         ropes: dict[str, RopeInputs],
     ) -> torch.Tensor:
-        """`prev_hidden [T, hc*H]` -> the block's output streams `[T, hc, H]`."""
-        embeds = input_embeds.masked_fill((positions == 0).unsqueeze(-1), 0)
+        """`prev_hidden [T, hc*H]`, `embeds [T, H]` -> the block's output streams `[T, hc, H]`."""
+        embeds = embeds.masked_fill((ctx.positions == 0).unsqueeze(-1), 0)
         embeds = self.enorm(embeds)
         streams = self.hnorm(prev_hidden.view(-1, self.hc_mult, self.config.hidden_size))
         x = self.h_proj(streams) + self.e_proj(embeds).unsqueeze(1)
@@ -168,99 +161,55 @@ class DeepseekV4MultiTokenPredictor(nn.Module):
     def layer_for_step(self, spec_step_idx: int) -> DeepseekV4MultiTokenPredictorLayer:
         return self.layers[str(self.first_layer_id + spec_step_idx % self.num_mtp_layers)]
 
-
-class DeepseekV4ForCausalLMNextN(SharesTargetEmbedHead, nn.Module):
-    """Same forward contract as the target; `captured_hidden_states [T, hc*H]` is required
-    (target streams on the first step, the previous step's output after that). The output's
-    hidden states are this step's streams `[T or R, hc*H]`, for chaining."""
-
-    def __init__(self, config, mapping: Mapping | None = None, quant_config=None, prefix: str = ""):
-        super().__init__()
-        self.config, self.mapping = config, mapping or Mapping.single()
-        self.model = DeepseekV4MultiTokenPredictor(config, self.mapping)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, self.mapping.attn.tp)
-        self.logits_processor = LogitsProcessor()
-
-    @torch.no_grad()
     def forward(
         self,
         ctx: ForwardContext,
         input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        out_cache_loc: torch.Tensor,
-        input_embeds: torch.Tensor | None = None,
-        captured_hidden_states: torch.Tensor | None = None,
-        spec_step_idx: int = 0,
-    ) -> LogitsProcessorOutput:
-        if captured_hidden_states is None:
-            raise ValueError(
-                "the DeepSeek-V4 MTP draft needs captured_hidden_states (the target's "
-                "pre-hc_head streams or the previous draft step's output)"
-            )
-        if input_embeds is None:
-            input_embeds = self.model.embed_tokens(input_ids)
-        layer = self.model.layer_for_step(spec_step_idx)
-        ropes = {
-            kind: RopeInputs(rope, *rope.cos_sin(positions))
-            for kind, rope in self.model.ropes.items()
-        }
-        streams = layer(input_ids, positions, captured_hidden_states, input_embeds, ctx, ropes)
-        return self.logits_processor(
-            layer.logits_hidden(streams), self.lm_head, ctx, aux_hidden=streams.flatten(1)
-        )
+        prev_hidden: torch.Tensor,
+        spec_step_idx: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`prev_hidden [T, hc*H]` -> `(normed hidden [T, H], output streams [T, hc*H])`."""
+        layer = self.layer_for_step(spec_step_idx)
+        ropes = rope_inputs(self.ropes.items(), ctx.positions)
+        streams = layer(ctx, input_ids, prev_hidden, self.embed_tokens(input_ids), ropes)
+        return layer.logits_hidden(streams), streams.flatten(1)
+
+
+class DeepseekV4ForCausalLMNextN(DraftModel):
+    """`captured_hidden_states [T, hc*H]`: the target's pre-`hc_head` streams on the first
+    step, the previous step's output after that. The output's hidden states are this step's
+    streams `[T or R, hc*H]`, for chaining."""
+
+    model_name = "DeepSeek-V4 MTP draft"
+    missing_weights_name = "MTP (NextN)"
+    cache_pool_class = DeepseekV4KVPool
+    expert_schema = EXPERT_SCHEMA
+
+    def build_model(self, config, mapping: Mapping) -> DeepseekV4MultiTokenPredictor:
+        return DeepseekV4MultiTokenPredictor(config, mapping)
 
     @property
     def kv_reach(self) -> int | None:
-        """How far back a draft row's attention reads: the window when every MTP layer is
-        window-only (a row's KV depends on that row alone, so the drafter may skip prompt rows
-        older than this), None when a layer compresses (its entries need every row)."""
+        """The window when every MTP layer is window-only (a row's KV depends on that row
+        alone), None when a layer compresses (its entries need every row)."""
         if any(self.cache_layout(self.config).compress_ratios):
             return None
         return self.config.sliding_window
 
-    # caches -------------------------------------------------------------------------------
     @classmethod
     def cache_layout(cls, config) -> DeepseekV4CacheLayout:
         first = config.num_hidden_layers
-        return DeepseekV4CacheLayout(
-            compress_ratios=tuple(
-                compress_ratio_of(config, first + k) for k in range(config.num_nextn_predict_layers)
-            ),
-            head_dim=config.head_dim,
-            index_head_dim=config.index_head_dim,
-            sliding_window=config.sliding_window,
-            indexer_ratio=config.compress_rates["compressed_sparse_attention"],
-        )
+        return cache_layout_of(config, range(first, first + config.num_nextn_predict_layers))
 
-    @classmethod
-    def create_cache_pool(cls, config, geometry: PoolGeometry) -> DeepseekV4KVPool:
-        return DeepseekV4KVPool(cls.cache_layout(config), geometry)
+    @property
+    def num_routed_experts(self) -> int:
+        return self.config.n_routed_experts
 
-    # weights ------------------------------------------------------------------------------
-    def skip_checkpoint_weight(self, name: str) -> bool:
-        """Read only the draft's tensors (the trunk's are the target's business)."""
-        return (
-            remap_mtp_name(
-                name, self.config.num_hidden_layers, self.config.num_nextn_predict_layers
-            )
-            is None
-        )
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+    def map_weight_name(self, name: str) -> ParamTarget | None:
+        """Only the draft's tensors; the trunk's are the target's business."""
         cfg = self.config
-        tracker = load_released_weights(
-            self,
-            weights,
-            lambda name: remap_mtp_name(name, cfg.num_hidden_layers, cfg.num_nextn_predict_layers),
-            shared_params=("model.embed_tokens.weight", "lm_head.weight"),
-        )
-        if not tracker.loaded_params:
-            raise ValueError(
-                "the checkpoint has no MTP (NextN) weights (`mtp.*`), so it cannot "
-                "draft for NEXTN speculative decoding. " + MISSING_MTP_ADVICE
-            )
-        tracker.raise_if_incomplete(what="DeepSeek-V4 MTP draft")
-        return tracker.loaded_params
+        released = remap_mtp_name(name, cfg.num_hidden_layers, cfg.num_nextn_predict_layers)
+        return None if released is None else map_released_name(released)
 
 
 EntryClass = [DeepseekV4ForCausalLMNextN]

@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Qwen4Exp text model (released as Qwen3.8-Flash-Next; research/qwen4exp.md section 2).
+"""Qwen4Exp text model (released as Qwen3.8-Flash-Next; transformers'
+`models/qwen4_exp/modeling_qwen4_exp.py`, `Qwen4ExpTextModel`).
 
     R = repeat(embed(ids), n)                                   [T, n*H]
     per layer:  [R += PLE(R, ids)]
@@ -12,36 +13,25 @@
 
 from __future__ import annotations
 
-import logging
 import re
-from collections.abc import Iterable
 
 import torch
 from torch import nn
 
-from runtime.cache.pool_geometry import PoolGeometry
 from runtime.cache.qwen4_exp_pool import Qwen4ExpCacheLayout, Qwen4ExpKVPool
 from runtime.core.forward_context import ForwardContext
-from runtime.core.model_output import LogitsProcessorOutput
 from runtime.distributed import Mapping
 from runtime.layers.attention.qwen4_exp_qsa import QSAAttention
-from runtime.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from runtime.layers.embedding import VocabParallelEmbedding
 from runtime.layers.gated_residual import GatedResidual
 from runtime.layers.linear import ReplicatedLinear
 from runtime.layers.linear_attention.gated_delta_net import GatedDeltaNet
-from runtime.layers.logits_processor import LogitsProcessor
 from runtime.layers.mlp import SwiGLUMLP
-from runtime.layers.moe import (
-    ExpertCheckpointSchema,
-    FusedMoEExperts,
-    MoECheckpointLoader,
-    select_experts,
-)
+from runtime.layers.moe import ExpertCheckpointSchema, FusedMoEExperts, select_experts
 from runtime.layers.ple import PLELayer
 from runtime.layers.rotary import RotaryEmbedding
-from runtime.layers.weight_utils import WeightLoadTracker, make_param
-
-logger = logging.getLogger(__name__)
+from runtime.layers.weight_utils import make_param
+from runtime.models.base import ParamTarget, TargetModel
 
 ATTENTION_SPELLINGS = {
     "full_attention",
@@ -173,16 +163,11 @@ class Qwen4ExpModel(nn.Module):
         )
 
     def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        ctx: ForwardContext,
-        input_embeds: torch.Tensor | None = None,
+        self, ctx: ForwardContext, input_ids: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns `(mixer output [T, H], streams before the mixer [T, n*H])`."""
-        embeds = self.embed_tokens(input_ids) if input_embeds is None else input_embeds
-        streams = embeds.repeat(1, self.hc_count)
-        cos, sin = self.rope.cos_sin(positions)
+        streams = self.embed_tokens(input_ids).repeat(1, self.hc_count)
+        cos, sin = self.rope.cos_sin(ctx.positions)
         for layer in self.layers:
             streams = layer(streams, ctx, input_ids, cos, sin)
         return self.hyper_connection_mixer(streams)[0], streams
@@ -242,7 +227,7 @@ EXPERT_SCHEMA = ExpertCheckpointSchema(
 )
 
 
-def map_checkpoint_name(name: str) -> tuple[str, tuple] | None:
+def map_checkpoint_name(name: str) -> ParamTarget | None:
     """A checkpoint name -> (runtime parameter, weight-loader args), None to skip. Per-expert
     names keep their `experts.E.*_proj` form for the MoE checkpoint loader."""
     for pattern, repl in PREFIXES:
@@ -251,50 +236,58 @@ def map_checkpoint_name(name: str) -> tuple[str, tuple] | None:
         return None
     shard = NGRAM_SHARD.match(name)
     if shard:
-        return f"{shard['prefix']}.weight", (int(shard["shard"]),)
+        return ParamTarget(f"{shard['prefix']}.weight", (int(shard["shard"]),))
     for pattern, repl in RENAMES:
         name = re.sub(pattern, repl, name)
     if ".experts." not in name or "shared_expert" in name:
         for param, ckpt, shard_id in STACKED_PARAMS:
             if ckpt in name:
-                return name.replace(ckpt, param), (shard_id,)
-    return name, ()
+                return ParamTarget(name.replace(ckpt, param), (shard_id,))
+    return ParamTarget(name)
 
 
-def load_qwen4_exp_weights(
-    model: nn.Module,
-    weights: Iterable[tuple[str, torch.Tensor]],
-    name_map,
-    shared_params: tuple[str, ...] = (),
-) -> WeightLoadTracker:
-    params = {n: p for n, p in model.named_parameters() if n not in shared_params}
-    tracker = WeightLoadTracker(params)
-    ep = model.mapping.moe.ep
-    experts = MoECheckpointLoader(EXPERT_SCHEMA, model.text_config.num_experts, ep.rank, ep.size)
-    skipped_vision = False
-    for raw_name, tensor in weights:
-        mapped = name_map(raw_name)
-        if mapped is None:
-            skipped_vision = skipped_vision or "visual." in raw_name
-            continue
-        name, args = mapped
-        expert = experts.map(name)
-        if expert is not None:
-            if expert.local:
-                tracker.load(raw_name, expert.param, tensor, expert.shard_id, expert.expert_id)
-            continue
-        tracker.load(raw_name, name, tensor, *args)
-    if skipped_vision:
-        logger.info("skipped the vision tower weights (this runtime serves the text path)")
-    return tracker
+def cache_layout_of(
+    config, kinds: tuple[str, ...] | None = None, ple_layers=None
+) -> Qwen4ExpCacheLayout:
+    """The cache layout of the trunk (default) or of the given layer kinds and PLE layers."""
+    cfg = text_config(config)
+    kinds = kinds or tuple(layer_kind(cfg, i) for i in range(cfg.num_hidden_layers))
+    if ple_layers is None:
+        ple_layers = tuple(i - 1 for i in (getattr(cfg, "ple_layer_ids", None) or []))
+    key_dim = cfg.linear_num_key_heads * cfg.linear_key_head_dim
+    return Qwen4ExpCacheLayout(
+        layer_kinds=kinds,
+        ple_layers=tuple(ple_layers),
+        num_kv_heads=cfg.num_key_value_heads,
+        head_dim=cfg.head_dim,
+        index_head_dim=getattr(cfg, "indexer_head_dim", None) or 1,
+        conv_dim=2 * key_dim + cfg.linear_num_value_heads * cfg.linear_value_head_dim,
+        conv_kernel=cfg.linear_conv_kernel_dim,
+        num_v_heads=cfg.linear_num_value_heads,
+        head_k_dim=cfg.linear_key_head_dim,
+        head_v_dim=cfg.linear_value_head_dim,
+        hc_width=cfg.hc_count * cfg.hidden_size,
+        ple_conv_span=(cfg.ple_conv_kernel_size - 1) * cfg.ngram_size,
+        ngram_size=cfg.ngram_size,
+        qsa_ratio=getattr(cfg, "indexer_compress_ratio", None) or 1,
+    )
 
 
-class Qwen4ExpForCausalLM(nn.Module):
+# ---------------------------------------------------------------------------------------
+# Entry classes
+# ---------------------------------------------------------------------------------------
+
+
+class Qwen4ExpForCausalLM(TargetModel):
     """Text model for `Qwen4ExpForCausalLM` and the text path of
     `Qwen4ExpForConditionalGeneration`. With hidden capture the output carries the streams
     before the final mixer, `[T, n*H]`, for the MTP draft."""
 
+    model_name = "Qwen4Exp target"
     draft_architecture = "Qwen4ExpMTP"
+    cache_pool_class = Qwen4ExpKVPool
+    expert_schema = EXPERT_SCHEMA
+    text_config_of = staticmethod(text_config)
 
     @staticmethod
     def has_draft_layers(config) -> bool:
@@ -304,74 +297,27 @@ class Qwen4ExpForCausalLM(nn.Module):
             or getattr(cfg, "num_nextn_predict_layers", 0)
         )
 
-    def __init__(self, config, mapping: Mapping | None = None, quant_config=None, prefix: str = ""):
-        super().__init__()
-        self.config, self.mapping = config, mapping or Mapping.single()
-        self.text_config = cfg = text_config(config)
-        self.model = Qwen4ExpModel(cfg, self.mapping)
-        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, self.mapping.attn.tp)
-        if cfg.tie_word_embeddings:
+    def __init__(self, config, mapping: Mapping | None = None):
+        super().__init__(config, mapping)
+        if self.text_config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.logits_processor = LogitsProcessor()
 
-    @torch.no_grad()
-    def forward(
-        self,
-        ctx: ForwardContext,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        out_cache_loc: torch.Tensor,
-        input_embeds: torch.Tensor | None = None,
-        captured_hidden_states: torch.Tensor | None = None,
-        spec_step_idx: int = 0,
-    ) -> LogitsProcessorOutput:
-        hidden, streams = self.model(input_ids, positions, ctx, input_embeds)
-        return self.logits_processor(hidden, self.lm_head, ctx, aux_hidden=streams)
-
-    def get_embed_and_head(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.model.embed_tokens.weight, self.lm_head.weight
-
-    @staticmethod
-    def skip_checkpoint_weight(name: str) -> bool:
-        return map_checkpoint_name(name) is None
-
-    # caches -------------------------------------------------------------------------------
-    @classmethod
-    def cache_layout(
-        cls, config, kinds: tuple[str, ...] | None = None, ple_layers=None
-    ) -> Qwen4ExpCacheLayout:
-        cfg = text_config(config)
-        kinds = kinds or tuple(layer_kind(cfg, i) for i in range(cfg.num_hidden_layers))
-        if ple_layers is None:
-            ple_layers = tuple(i - 1 for i in (getattr(cfg, "ple_layer_ids", None) or []))
-        key_dim = cfg.linear_num_key_heads * cfg.linear_key_head_dim
-        return Qwen4ExpCacheLayout(
-            layer_kinds=kinds,
-            ple_layers=tuple(ple_layers),
-            num_kv_heads=cfg.num_key_value_heads,
-            head_dim=cfg.head_dim,
-            index_head_dim=getattr(cfg, "indexer_head_dim", None) or 1,
-            conv_dim=2 * key_dim + cfg.linear_num_value_heads * cfg.linear_value_head_dim,
-            conv_kernel=cfg.linear_conv_kernel_dim,
-            num_v_heads=cfg.linear_num_value_heads,
-            head_k_dim=cfg.linear_key_head_dim,
-            head_v_dim=cfg.linear_value_head_dim,
-            hc_width=cfg.hc_count * cfg.hidden_size,
-            ple_conv_span=(cfg.ple_conv_kernel_size - 1) * cfg.ngram_size,
-            ngram_size=cfg.ngram_size,
-            qsa_ratio=getattr(cfg, "indexer_compress_ratio", None) or 1,
-        )
+    def build_model(self, config, mapping: Mapping) -> Qwen4ExpModel:
+        return Qwen4ExpModel(config, mapping)
 
     @classmethod
-    def create_cache_pool(cls, config, geometry: PoolGeometry) -> Qwen4ExpKVPool:
-        return Qwen4ExpKVPool(cls.cache_layout(config), geometry)
+    def cache_layout(cls, config) -> Qwen4ExpCacheLayout:
+        return cache_layout_of(config)
 
-    # weights ------------------------------------------------------------------------------
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        tied = ("lm_head.weight",) if self.text_config.tie_word_embeddings else ()
-        tracker = load_qwen4_exp_weights(self, weights, map_checkpoint_name, shared_params=tied)
-        tracker.raise_if_incomplete(what="Qwen4Exp target")
-        return tracker.loaded_params
+    @property
+    def num_routed_experts(self) -> int:
+        return self.text_config.num_experts
+
+    def shared_params(self) -> tuple[str, ...]:
+        return ("lm_head.weight",) if self.text_config.tie_word_embeddings else ()
+
+    def map_weight_name(self, name: str) -> ParamTarget | None:
+        return map_checkpoint_name(name)
 
 
 class Qwen4ExpForConditionalGeneration(Qwen4ExpForCausalLM):

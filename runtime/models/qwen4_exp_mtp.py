@@ -1,5 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Qwen4Exp MTP draft (`Qwen4ExpMTP`; seed 004, research/qwen4exp.md sections 1 and 5.5).
+"""Qwen4Exp MTP draft (`Qwen4ExpMTP`), after vLLM's `qwen3_next_mtp.py` MTP module; its
+decoder layer and final mixer are transformers' `Qwen4ExpTextDecoderLayer` and
+`Qwen4ExpTextGatedResidual` (`models/qwen4_exp/modeling_qwen4_exp.py`).
 
 With `H_in [T, n*H]` (the target's streams before its final mixer on the first step, the
 previous step's streams after that) and the next token's embedding:
@@ -17,34 +19,25 @@ Embedding and LM head are the target's.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 import torch
 from torch import nn
 
 from runtime.cache.pool_geometry import PoolGeometry
-from runtime.cache.qwen4_exp_pool import Qwen4ExpKVPool
+from runtime.cache.qwen4_exp_pool import Qwen4ExpCacheLayout, Qwen4ExpKVPool
 from runtime.core.forward_context import ForwardContext
-from runtime.core.model_output import LogitsProcessorOutput
 from runtime.distributed import Mapping
-from runtime.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from runtime.layers.embedding import VocabParallelEmbedding
 from runtime.layers.gated_residual import GatedResidual
 from runtime.layers.linear import ReplicatedLinear
-from runtime.layers.logits_processor import LogitsProcessor
 from runtime.layers.norm import OffsetRMSNorm
-from runtime.models.draft_common import SharesTargetEmbedHead
+from runtime.models.base import MISSING_MTP_ADVICE, DraftModel, ParamTarget
 from runtime.models.qwen4_exp import (
+    EXPERT_SCHEMA,
     Qwen4ExpDecoderLayer,
-    Qwen4ExpForCausalLM,
     build_rope,
-    load_qwen4_exp_weights,
+    cache_layout_of,
     map_checkpoint_name,
     text_config,
-)
-
-MISSING_MTP_ADVICE = (
-    "Use a checkpoint that includes `mtp.*` weights, or drop "
-    "--speculative-algorithm to serve without speculative decoding."
 )
 
 
@@ -60,6 +53,13 @@ def remap_mtp_weight_name(name: str) -> str | None:
     if not name.startswith("mtp.") or name.startswith("mtp.shared_head.head."):
         return None
     return "model." + name.removeprefix("mtp.")
+
+
+def map_mtp_checkpoint_name(name: str) -> ParamTarget | None:
+    """A checkpoint name -> the draft's parameter: the draft's own naming, then the
+    target's stacking and skip rules unchanged."""
+    own = remap_mtp_weight_name(name)
+    return None if own is None else map_checkpoint_name(own)
 
 
 def num_mtp_layers(config) -> int:
@@ -107,92 +107,51 @@ class Qwen4ExpMultiTokenPredictor(nn.Module):
 
     def forward(
         self,
-        input_ids,
-        positions,
-        prev_streams,
-        input_embeds,
         ctx: ForwardContext,
+        input_ids: torch.Tensor,
+        prev_streams: torch.Tensor,
         spec_step_idx: int,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns `(mixer output [T, H], streams [T, n*H])`."""
+        """`prev_streams [T, n*H]` -> `(mixer output [T, H], streams [T, n*H])`."""
         n, hidden = self.hc_count, self.hidden_size
-        embeds = self.embed_tokens(input_ids) if input_embeds is None else input_embeds
-        u = self.fc_embedding(self.pre_fc_norm_embedding(embeds))
+        u = self.fc_embedding(self.pre_fc_norm_embedding(self.embed_tokens(input_ids)))
         streams = self.fc_hidden(self.pre_fc_norm_hidden(prev_streams).view(-1, n, hidden)).flatten(
             1
         )
         streams = GatedResidual.combine(streams, u, None)
-        cos, sin = self.rope.cos_sin(positions)
+        cos, sin = self.rope.cos_sin(ctx.positions)
         layer = self.layers[spec_step_idx % self.num_layers]
         streams = layer(streams, ctx, input_ids, cos, sin, spec_step_idx)
         return self.hyper_connection_mixer(streams)[0], streams
 
 
-class Qwen4ExpMTP(SharesTargetEmbedHead, nn.Module):
-    """Same forward contract as the target; `captured_hidden_states [T, n*H]` is required."""
+class Qwen4ExpMTP(DraftModel):
+    """`captured_hidden_states [T, n*H]`: the target's streams before its final mixer on the
+    first step, the previous step's streams after that."""
 
-    def __init__(self, config, mapping: Mapping | None = None, quant_config=None, prefix: str = ""):
-        super().__init__()
-        self.config, self.mapping = config, mapping or Mapping.single()
-        self.text_config = cfg = text_config(config)
-        self.model = Qwen4ExpMultiTokenPredictor(cfg, self.mapping)
-        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, self.mapping.attn.tp)
-        self.logits_processor = LogitsProcessor()
+    model_name = "Qwen4Exp MTP draft"
+    cache_pool_class = Qwen4ExpKVPool
+    expert_schema = EXPERT_SCHEMA
+    text_config_of = staticmethod(text_config)
 
-    @torch.no_grad()
-    def forward(
-        self,
-        ctx: ForwardContext,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        out_cache_loc: torch.Tensor,
-        input_embeds: torch.Tensor | None = None,
-        captured_hidden_states: torch.Tensor | None = None,
-        spec_step_idx: int = 0,
-    ) -> LogitsProcessorOutput:
-        if captured_hidden_states is None:
-            raise ValueError(
-                "the Qwen4Exp MTP draft needs captured_hidden_states (the target's streams "
-                "before its final mixer, or the previous draft step's streams)"
-            )
-        sample, streams = self.model(
-            input_ids, positions, captured_hidden_states, input_embeds, ctx, spec_step_idx
-        )
-        return self.logits_processor(sample, self.lm_head, ctx, aux_hidden=streams)
+    def build_model(self, config, mapping: Mapping) -> Qwen4ExpMultiTokenPredictor:
+        return Qwen4ExpMultiTokenPredictor(config, mapping)
 
-    # caches -------------------------------------------------------------------------------
+    @classmethod
+    def cache_layout(cls, config) -> Qwen4ExpCacheLayout:
+        return cache_layout_of(config, kinds=("attention",) * num_mtp_layers(config), ple_layers=())
+
     @classmethod
     def create_cache_pool(cls, config, geometry: PoolGeometry) -> Qwen4ExpKVPool:
-        layout = Qwen4ExpForCausalLM.cache_layout(
-            config, kinds=("attention",) * num_mtp_layers(config), ple_layers=()
-        )
-        return Qwen4ExpKVPool(layout, geometry, reuses_qsa_selection=True)
+        """Chained draft steps reuse the QSA blocks the first step chose."""
+        return Qwen4ExpKVPool(cls.cache_layout(config), geometry, reuses_qsa_selection=True)
 
-    # weights ------------------------------------------------------------------------------
-    @staticmethod
-    def map_name(name: str) -> tuple[str, tuple] | None:
-        own = remap_mtp_weight_name(name)
-        if own is None:
-            return None
-        return map_checkpoint_name(own)  # the target's stacking and skip rules apply unchanged
+    @property
+    def num_routed_experts(self) -> int:
+        return self.text_config.num_experts
 
-    def skip_checkpoint_weight(self, name: str) -> bool:
-        return remap_mtp_weight_name(name) is None
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        tracker = load_qwen4_exp_weights(
-            self,
-            weights,
-            self.map_name,
-            shared_params=("model.embed_tokens.weight", "lm_head.weight"),
-        )
-        if not tracker.loaded_params:
-            raise ValueError(
-                "the checkpoint has no MTP weights (`mtp.*`), so it cannot draft for NEXTN "
-                "speculative decoding. " + MISSING_MTP_ADVICE
-            )
-        tracker.raise_if_incomplete(what="Qwen4Exp MTP draft")
-        return tracker.loaded_params
+    def map_weight_name(self, name: str) -> ParamTarget | None:
+        return map_mtp_checkpoint_name(name)
 
 
 EntryClass = [Qwen4ExpMTP]

@@ -184,6 +184,7 @@ class Scheduler:
             req.num_cached = chunk.end
             if chunk.end >= len(req.prompt_ids):
                 req.input_logprobs_done = True
+            self._store_speculation(req, out)
             if chunk.completes and req.sampling_params.max_new_tokens == 0:
                 # a scoring request (prompt logprobs only): its prefill is all it wanted
                 req.finish(FinishReason("length", length=0))
@@ -196,8 +197,17 @@ class Scheduler:
 
     def _commit_decode(self, reqs: list[Req], outputs: list[TokenOutput]) -> list[Req]:
         for req, out in zip(reqs, outputs):
+            self._store_speculation(req, out)
             self._append(req, out)
         return list(reqs)
+
+    @staticmethod
+    def _store_speculation(req: Req, out: TokenOutput) -> None:
+        """A speculative worker's round counters and the drafts for the next round."""
+        if out.num_accepted_drafts is not None:
+            req.record_verify_round(out.num_accepted_drafts, len(req.draft_tokens))
+        if out.draft_tokens is not None:
+            req.draft_tokens = out.draft_tokens
 
     def _append(self, req: Req, out: TokenOutput) -> None:
         for i, token in enumerate(out.tokens):

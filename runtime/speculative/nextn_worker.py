@@ -1,14 +1,21 @@
 # SPDX-License-Identifier: Apache-2.0
-"""`NextNWorker`: NEXTN speculative decoding (DESIGN.md section 3).
+"""`NextNWorker`: NEXTN speculative decoding with an MTP draft (Leviathan et al. 2023,
+"Fast Inference from Transformers via Speculative Decoding"; the round is gpt-fast's
+`generate.py::speculative_decode`, the batching SGLang's `eagle_worker.py` with topk 1).
 
     prefill chunk: target extend (capture hidden) -> [sample t] -> draft extend -> [d1..dS]
-    decode round:  target verify [t, d1..dS] -> accept m drafts + one token -> draft extend
-                   over the verified rows -> next drafts
+    decode round:  target verify [t, d1..dS] -> accept m drafts + one token -> commit
+                   -> draft extend over the verified rows -> next drafts
+
+New drafts travel back in each request's `TokenOutput.draft_tokens`; the scheduler keeps
+them on the request for its next round, with the round's acceptance counters.
 
 Caches need no explicit rollback: every cache row is keyed by position, verify and draft
 only write positions at or after the committed length, and the next round rewrites the
 rejected positions before anything reads them (rings are sized for one extra pass).
-Prefill chunks and verify rounds run in separate steps (`supports_mixed = False`).
+Recurrent state is the exception: `commit_verified` keeps the state after the last
+accepted row. Prefill chunks and verify rounds run in separate steps
+(`supports_mixed = False`).
 """
 
 from __future__ import annotations
@@ -19,13 +26,23 @@ from dataclasses import dataclass, field
 import torch
 
 from runtime.configs.speculative import SpeculativeConfig
+from runtime.constrained import bitmask as grammar_bitmask
 from runtime.core.forward_mode import CaptureHiddenMode, ForwardMode
+from runtime.core.request import Req
 from runtime.core.step_io import Chunk, TokenOutput
 from runtime.execution.model_runner import ModelInput, ModelRunner
 from runtime.execution.penalties import RowHistory, adjust_logits
 from runtime.execution.sampler import SamplingBatch
-from runtime.execution.worker import LogitRows, chunk_input, chunk_outputs, token_logprob_outputs
-from runtime.speculative.acceptance import verify
+from runtime.execution.worker import (
+    LogitRows,
+    chunk_input,
+    chunk_outputs,
+    sampling_bitmask,
+    token_ids_logprob_outputs,
+    token_logprob_outputs,
+)
+from runtime.speculative.acceptance import VerifyResult, verify
+from runtime.speculative.draft_batch import DraftBatch
 
 
 @dataclass
@@ -76,95 +93,186 @@ class NextNWorker:
         return 2 * self.spec.num_steps
 
     def step(
-        self, prefill: Sequence[Chunk], decode: Sequence
+        self, prefill: Sequence[Chunk], decode: Sequence[Req]
     ) -> tuple[list[TokenOutput], list[TokenOutput]]:
         if prefill and decode:
             raise ValueError("NEXTN runs prefill chunks and verify rounds in separate steps")
         return (self._prefill(prefill), []) if prefill else ([], self._verify(decode))
 
     def _prefill(self, chunks: Sequence[Chunk]) -> list[TokenOutput]:
+        """Target extend, a token for every chunk that completes its prompt, then the draft
+        over the same rows (proposing only for the completing chunks)."""
         inp = chunk_input(chunks, ForwardMode.EXTEND, CaptureHiddenMode.FULL)
         rows = LogitRows(chunks)
         inp.logits_row_indices = rows.rows
+        bitmask = sampling_bitmask(chunks, self.vocab_size)  # host work before the forward
         out = self.target.forward(inp)
         outputs = chunk_outputs(
-            chunks, rows, out.next_token_logits, self.vocab_size, self.eos_ids, self.generator
+            chunks,
+            rows,
+            out.next_token_logits,
+            self.vocab_size,
+            self.eos_ids,
+            self.generator,
+            bitmask,
         )
-        # draft row at position p reads the token at p + 1 (the new token after the prompt)
-        following = [
-            t
-            for c, o in zip(chunks, outputs)
-            for t in c.req.all_ids[c.start + 1 : c.end] + (o.tokens or [c.req.all_ids[c.end]])
-        ]
-        drafts = self.drafter.draft(
-            [c.req for c in chunks],
-            inp.prefix_lens,
-            inp.extend_lens,
-            torch.tensor(following, dtype=torch.long),
-            out.hidden_states,
-            [c.length - 1 for c in chunks],
-            [c.completes for c in chunks],
-        )
-        for c, d in zip(chunks, drafts):
-            if d is not None:
-                c.req.draft_tokens = d
+        drafts = self.drafter.draft(prefill_draft_batch(chunks, outputs, out.hidden_states))
+        for output, drafted in zip(outputs, drafts):
+            output.draft_tokens = drafted
         return outputs
 
-    def _verify(self, reqs: Sequence) -> list[TokenOutput]:
-        steps = self.spec.num_steps
-        width = steps + 1
-        drafts = torch.tensor([r.draft_tokens for r in reqs], dtype=torch.long)
-        committed = [r.num_cached for r in reqs]
-        last = torch.tensor([r.output_ids[-1] for r in reqs], dtype=torch.long)
-        ids = torch.cat(
-            [last.unsqueeze(1), drafts], dim=1
-        ).flatten()  # [t_last, d1..dS] per request
-        out = self.target.forward(
-            ModelInput(
-                ForwardMode.TARGET_VERIFY,
-                ids,
-                [r.req_pool_idx for r in reqs],
-                committed,
-                [width] * len(reqs),
-                capture_hidden_mode=CaptureHiddenMode.FULL,
-                logits_row_indices=None,
-            )
-        )
-        # row j of request b sees the history plain decoding would have there: drafts d1..dj
-        histories = [
-            RowHistory(r, tuple(d[:j])) for r, d in zip(reqs, drafts.tolist()) for j in range(width)
-        ]
-        logits = adjust_logits(out.next_token_logits, histories, self.eos_ids)
+    def _verify(self, reqs: Sequence[Req]) -> list[TokenOutput]:
+        """One round per request, as gpt-fast's `speculative_decode`: the target scores the
+        pending drafts in one pass, accepts a prefix, commits it, and the draft proposes
+        the next round's tokens from the verified rows."""
+        drafts = pending_drafts(reqs)  # [bs, S]
+        bitmask = verify_bitmask(reqs, drafts, self.vocab_size)  # host work before the forward
+        out = self.target.forward(verify_input(reqs, drafts))  # [bs * (S + 1)] rows
+        result = self._accept(reqs, drafts, out.next_token_logits, bitmask)
+        self._commit(reqs, result)
+        next_drafts = self.drafter.draft(redraft_batch(reqs, drafts, result, out.hidden_states))
+        return self._round_outputs(reqs, drafts, result, out.next_token_logits, next_drafts)
+
+    def _accept(
+        self,
+        reqs: Sequence[Req],
+        drafts: torch.Tensor,
+        logits: torch.Tensor,
+        bitmask: torch.Tensor | None = None,
+    ) -> VerifyResult:
+        """How many drafts each request keeps and the token after them, from the logits
+        adjusted as plain decoding would see each row: penalties, then the grammar's mask
+        of that row (`verify_bitmask`), so every accepted token is one the grammar allows."""
+        adjusted = penalised_verify_logits(logits, reqs, drafts, self.eos_ids)
+        logits = grammar_bitmask.apply(adjusted, bitmask, unadjusted=logits)
         sampling = SamplingBatch.from_params([r.sampling_params for r in reqs], self.vocab_size)
-        result = verify(logits, drafts, sampling, torch.tensor(committed), self.generator)
-        num_accepted = result.num_accepted.tolist()
-        self.stats.record(num_accepted)
-        # recurrent caches keep the state after the last accepted row
+        first_positions = torch.tensor([r.num_cached for r in reqs])
+        return verify(logits, drafts, sampling, first_positions, self.generator)
+
+    def _commit(self, reqs: Sequence[Req], result: VerifyResult) -> None:
+        """Recurrent caches keep the state after the last accepted row; positional caches
+        need nothing (see the module docstring)."""
         self.target.kv_pool.commit_verified(
             torch.tensor([r.req_pool_idx for r in reqs]), result.num_accepted
         )
 
-        # verify row j is followed by d_{j+1} (accepted rows) or the final token (row m)
-        following = torch.cat([drafts, result.final_tokens.unsqueeze(1)], dim=1)
-        following[torch.arange(len(reqs)), result.num_accepted] = result.final_tokens
-        new_drafts = self.drafter.draft(
-            reqs,
-            committed,
-            [width] * len(reqs),
-            following.flatten(),
-            out.hidden_states,
-            num_accepted,
-        )
+    def _round_outputs(
+        self,
+        reqs: Sequence[Req],
+        drafts: torch.Tensor,
+        result: VerifyResult,
+        logits: torch.Tensor,
+        next_drafts: list[list[int] | None],
+    ) -> list[TokenOutput]:
+        """Emitted tokens (with logprobs where asked), the round's acceptance and the next
+        drafts per request; the engine-wide counters."""
+        num_accepted = result.num_accepted.tolist()
+        self.stats.record(num_accepted)
         tokens = result.tokens(drafts)
-        logprobs = token_logprob_outputs(
-            reqs, out.next_token_logits, tokens, [b * width for b in range(len(reqs))]
-        )
+        first_rows = [b * (drafts.shape[1] + 1) for b in range(len(reqs))]
+        logprobs = token_logprob_outputs(reqs, logits, tokens, first_rows)
+        ids_logprobs = token_ids_logprob_outputs(reqs, logits, tokens, first_rows)
         outputs = []
-        for r, d, m, toks, lp in zip(reqs, new_drafts, num_accepted, tokens, logprobs):
-            r.draft_tokens = d
-            r.spec_verify_ct += 1
-            if not r.spec_accept_hist:
-                r.spec_accept_hist = [0] * width
-            r.spec_accept_hist[m] += 1
-            outputs.append(TokenOutput(toks, *(lp if lp is not None else (None, None))))
+        for emitted, lp, ids_lp, m, drafted in zip(
+            tokens, logprobs, ids_logprobs, num_accepted, next_drafts
+        ):
+            values, top = lp if lp is not None else (None, None)
+            outputs.append(
+                TokenOutput(
+                    emitted,
+                    values,
+                    top,
+                    token_ids_logprobs=ids_lp,
+                    num_accepted_drafts=m,
+                    draft_tokens=drafted,
+                )
+            )
         return outputs
+
+
+# ---------------------------------------------------------------------------------------
+# Round inputs
+# ---------------------------------------------------------------------------------------
+
+
+def pending_drafts(reqs: Sequence[Req]) -> torch.Tensor:
+    """`[bs, S]`: the drafts each request got from its previous step."""
+    return torch.tensor([r.draft_tokens for r in reqs], dtype=torch.long)
+
+
+def verify_input(reqs: Sequence[Req], drafts: torch.Tensor) -> ModelInput:
+    """Rows `[t_last, d1..dS]` per request from position `num_cached` on; every row scored
+    and every row's hidden state captured (the draft reads them all)."""
+    width = drafts.shape[1] + 1
+    last = torch.tensor([r.output_ids[-1] for r in reqs], dtype=torch.long)
+    ids = torch.cat([last.unsqueeze(1), drafts], dim=1).flatten()  # [bs * (S + 1)]
+    return ModelInput(
+        ForwardMode.TARGET_VERIFY,
+        ids,
+        [r.req_pool_idx for r in reqs],
+        [r.num_cached for r in reqs],
+        [width] * len(reqs),
+        capture_hidden_mode=CaptureHiddenMode.FULL,
+        logits_row_indices=None,
+    )
+
+
+def verify_bitmask(reqs: Sequence[Req], drafts: torch.Tensor, vocab_size: int):
+    """Grammar bitmask of the verify rows (None without grammars): row j of request b is
+    masked by its grammar after drafts d1..dj, each matcher walked over the drafts
+    tentatively and rolled back to the committed output."""
+    return grammar_bitmask.verify_bitmask([r.grammar for r in reqs], drafts.tolist(), vocab_size)
+
+
+def penalised_verify_logits(
+    logits: torch.Tensor, reqs: Sequence[Req], drafts: torch.Tensor, eos_ids: set[int]
+) -> torch.Tensor:
+    """Row j of request b sees the history plain decoding would have there: its output so
+    far plus drafts d1..dj. Returns new logits (the raw ones still give the logprobs)."""
+    width = drafts.shape[1] + 1
+    histories = [
+        RowHistory(r, tuple(d[:j])) for r, d in zip(reqs, drafts.tolist()) for j in range(width)
+    ]
+    return adjust_logits(logits, histories, eos_ids)
+
+
+def redraft_batch(
+    reqs: Sequence[Req], drafts: torch.Tensor, result: VerifyResult, target_hidden: torch.Tensor
+) -> DraftBatch:
+    """The verified rows for the draft. Row j is followed by d_{j+1} while drafts were
+    accepted and by the final token at row m; rows past m carry stale tokens whose draft
+    cache entries the next round rewrites. The draft proposes from row m."""
+    bs, steps = drafts.shape
+    following = torch.cat([drafts, result.final_tokens.unsqueeze(1)], dim=1)  # [bs, S + 1]
+    following[torch.arange(bs), result.num_accepted] = result.final_tokens
+    return DraftBatch(
+        reqs=reqs,
+        prefix_lens=[r.num_cached for r in reqs],
+        extend_lens=[steps + 1] * bs,
+        next_tokens=following.flatten(),
+        target_hidden=target_hidden,
+        gather_rows=result.num_accepted.tolist(),
+        propose=[True] * bs,
+    )
+
+
+def prefill_draft_batch(
+    chunks: Sequence[Chunk], outputs: Sequence[TokenOutput], target_hidden: torch.Tensor
+) -> DraftBatch:
+    """A prefill step's rows for the draft. The row at position p is followed by the token
+    at p + 1: a prompt token, or for a completing chunk's last row the token just sampled.
+    Only completing chunks get proposals; the others only fill the draft's cache."""
+    following = [
+        t
+        for c, o in zip(chunks, outputs)
+        for t in c.req.all_ids[c.start + 1 : c.end] + (o.tokens or [c.req.all_ids[c.end]])
+    ]
+    return DraftBatch(
+        reqs=[c.req for c in chunks],
+        prefix_lens=[c.start for c in chunks],
+        extend_lens=[c.length for c in chunks],
+        next_tokens=torch.tensor(following, dtype=torch.long),
+        target_hidden=target_hidden,
+        gather_rows=[c.length - 1 for c in chunks],
+        propose=[c.completes for c in chunks],
+    )

@@ -10,6 +10,8 @@ import pytest
 import torch
 
 from runtime import Engine
+from runtime.core.request import Req
+from runtime.core.sampling_params import SamplingParams
 from runtime.speculative.drafter import MTPDrafter
 from tests.tiny_checkpoints import build_tiny_v4_mtp_checkpoint
 
@@ -40,17 +42,15 @@ class OracleDrafter:
     def committed(self, req, prefix, next_tokens, gather_row):
         return req.all_ids[: prefix + 1] + next_tokens[: gather_row + 1]
 
-    def draft(
-        self, reqs, prefix_lens, extend_lens, next_tokens, target_hidden, gather_rows, propose=None
-    ):
-        out, start = [], 0
-        propose = propose or [True] * len(reqs)
-        for req, prefix, n, g, wanted in zip(reqs, prefix_lens, extend_lens, gather_rows, propose):
-            if not wanted:
+    def draft(self, batch):
+        out = []
+        for b, start in enumerate(batch.row_starts()):
+            if not batch.propose[b]:
                 out.append(None)
-                start += n
                 continue
-            seq = self.committed(req, prefix, next_tokens[start : start + n].tolist(), g)
+            req, n = batch.reqs[b], batch.extend_lens[b]
+            rows = batch.next_tokens[start : start + n].tolist()
+            seq = self.committed(req, batch.prefix_lens[b], rows, batch.gather_rows[b])
             reference = self.references[tuple(req.prompt_ids)]
             proposal = (reference[len(seq) :] + [0] * self.steps)[: self.steps]
             out.append(
@@ -59,13 +59,12 @@ class OracleDrafter:
                     for t in proposal
                 ]
             )
-            start += n
         return out
 
 
 class GarbageDrafter(OracleDrafter):
-    def draft(self, reqs, *args, propose=None):
-        return [[self.rng.randrange(self.vocab) for _ in range(self.steps)] for _ in reqs]
+    def draft(self, batch):
+        return [[self.rng.randrange(self.vocab) for _ in range(self.steps)] for _ in batch.reqs]
 
 
 def nextn_engine(path, steps=3, page_size=4, **kw):
@@ -201,7 +200,7 @@ def test_draft_extend_runs_only_the_window_of_a_long_prompt(mtp_ckpt, monkeypatc
         drafter = engine.worker.drafter
         window = drafter.runner.model.kv_reach
         if not skip_rows:
-            monkeypatch.setattr(drafter, "_rows_to_skip", lambda lens, rows: [0] * len(lens))
+            monkeypatch.setattr(drafter, "_rows_to_skip", lambda batch: [0] * batch.batch_size)
         extend_rows, proposals = [], []
         forward, draft = drafter.runner.forward, drafter.draft
 
@@ -225,3 +224,31 @@ def test_draft_extend_runs_only_the_window_of_a_long_prompt(mtp_ckpt, monkeypatc
     _, full_rows, full, full_out = run(skip_rows=False)
     assert max(full_rows[0]) > 3 * window - 1 >= window == max(trimmed_rows[0])
     assert trimmed == full and trimmed_out == full_out
+
+
+def test_drafts_travel_back_through_the_worker_output(mtp_ckpt, monkeypatch):
+    """The worker reports each round's drafts and acceptance in its `TokenOutput`s and
+    leaves the request alone; the scheduler stores them for the next round."""
+    engine = nextn_engine(mtp_ckpt, steps=3)
+    req = Req("r", [5, 6, 7, 8, 9], SamplingParams(temperature=0, max_new_tokens=9))
+    seen = []
+    step = engine.worker.step
+
+    def recording_step(prefill, decode):
+        before = req.draft_tokens, req.spec_verify_ct
+        outputs = step(prefill, decode)
+        assert (req.draft_tokens, req.spec_verify_ct) == before  # the worker wrote nothing
+        seen.append([o for side in outputs for o in side])
+        return outputs
+
+    monkeypatch.setattr(engine.worker, "step", recording_step)
+    engine.scheduler.add_request(req)
+    engine.scheduler.step()  # prefill: first token and the first drafts
+    [prefill] = seen[-1]
+    assert prefill.num_accepted_drafts is None and len(prefill.draft_tokens) == 3
+    assert req.draft_tokens == prefill.draft_tokens
+    engine.scheduler.step()  # one verify round
+    [round_out] = seen[-1]
+    assert len(round_out.tokens) == round_out.num_accepted_drafts + 1
+    assert req.draft_tokens == round_out.draft_tokens and req.spec_verify_ct == 1
+    assert req.spec_accept_hist[round_out.num_accepted_drafts] == 1 == sum(req.spec_accept_hist)

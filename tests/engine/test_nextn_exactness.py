@@ -161,9 +161,9 @@ class MTPThenOracle:
     def __init__(self, mtp, oracle):
         self.mtp, self.oracle, self.runner = mtp, oracle, mtp.runner
 
-    def draft(self, *args, **kwargs):
-        self.mtp.draft(*args, **kwargs)
-        return self.oracle.draft(*args, **kwargs)
+    def draft(self, batch):
+        self.mtp.draft(batch)
+        return self.oracle.draft(batch)
 
 
 @pytest.mark.parametrize("steps", [2, 3])

@@ -240,11 +240,7 @@ def test_qwen_released_keys_load_without_gaps_or_leftovers(qwen_trained):
     from safetensors.torch import load_file
 
     from runtime.configs.model_config import ModelConfig
-    from runtime.models.qwen4_exp import (
-        Qwen4ExpForCausalLM,
-        load_qwen4_exp_weights,
-        map_checkpoint_name,
-    )
+    from runtime.models.qwen4_exp import Qwen4ExpForCausalLM, map_checkpoint_name
     from runtime.models.qwen4_exp_mtp import Qwen4ExpMTP
     from tests.models.test_qwen4_exp_mtp import released_qwen_mtp_keys
 
@@ -253,13 +249,8 @@ def test_qwen_released_keys_load_without_gaps_or_leftovers(qwen_trained):
     hf_config = ModelConfig.from_path(qwen_trained, "float32").hf_config
     target, draft = Qwen4ExpForCausalLM(hf_config), Qwen4ExpMTP(hf_config)
     loads = {
-        "target": load_qwen4_exp_weights(target, tensors.items(), map_checkpoint_name),
-        "draft": load_qwen4_exp_weights(
-            draft,
-            tensors.items(),
-            draft.map_name,
-            shared_params=("model.embed_tokens.weight", "lm_head.weight"),
-        ),
+        "target": target.fill_weights(tensors.items()),
+        "draft": draft.fill_weights(tensors.items()),
     }
     for tracker in loads.values():
         assert tracker.unexpected == [] and tracker.missing() == {}

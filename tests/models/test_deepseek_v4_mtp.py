@@ -141,7 +141,7 @@ def test_paged_mtp_matches_dense_restatement_per_step(mtp_ckpt):
 
 
 def released_mtp_keys(num_experts=256):
-    """The 1575 `mtp.0.*` names of DeepSeek-V4-Flash (research/deepseek_v4.md section 3.1)."""
+    """The 1575 `mtp.0.*` names of DeepSeek-V4-Flash (its `model.safetensors.index.json`)."""
     keys = [f"mtp.0.attn.{n}" for n in ("attn_sink", "q_norm.weight", "kv_norm.weight")]
     for proj in ("wq_a", "wq_b", "wkv", "wo_a", "wo_b"):
         keys += [f"mtp.0.attn.{proj}.weight", f"mtp.0.attn.{proj}.scale"]

@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 """The paged Qwen4Exp MTP draft against an oracle composed from transformers' Qwen4Exp
-modules (research/qwen4exp.md section 5.7), per step, with the fed-back streams and the
+modules (`modeling_qwen4_exp.py`), per step, with the fed-back streams and the
 QSA selection reuse; and the checkpoint name remapping on the released key list."""
 
 from __future__ import annotations
@@ -13,7 +13,11 @@ from runtime.cache import PagedTokenAllocator, ReqToTokenPool, SlotTable
 from runtime.configs.model_config import ModelConfig
 from runtime.core.forward_mode import CaptureHiddenMode, ForwardMode
 from runtime.execution.model_runner import ModelInput
-from runtime.models.qwen4_exp_mtp import Qwen4ExpMTP, remap_mtp_weight_name
+from runtime.models.qwen4_exp_mtp import (
+    Qwen4ExpMTP,
+    map_mtp_checkpoint_name,
+    remap_mtp_weight_name,
+)
 from tests.runners import load_runner
 from tests.tiny_checkpoints import build_tiny_qwen4_exp_mtp_checkpoint
 
@@ -149,7 +153,7 @@ def test_paged_mtp_matches_composed_oracle(mtp_ckpt, prompt_len):
 
 
 def released_qwen_mtp_keys():
-    """The 31 `mtp.*` tensor names of Qwen3.8-Flash-Next (research/qwen4exp.md section 1.10)."""
+    """The 31 `mtp.*` tensor names of Qwen3.8-Flash-Next (its `model.safetensors.index.json`)."""
     keys = [
         "mtp.fc_embedding.weight",
         "mtp.fc_hidden.weight",
@@ -188,7 +192,7 @@ def released_qwen_mtp_keys():
 def test_mtp_name_remapping_on_the_released_key_list():
     keys = released_qwen_mtp_keys()
     assert len(keys) == 31
-    mapped = {k: Qwen4ExpMTP.map_name(k) for k in keys}
+    mapped = {k: map_mtp_checkpoint_name(k) for k in keys}
     assert all(v is not None for v in mapped.values())
     assert mapped["mtp.fc_hidden.weight"] == ("model.fc_hidden.weight", ())
     assert mapped["mtp.layers.0.self_attn.k_proj.weight"] == (
@@ -210,7 +214,9 @@ def test_mtp_name_remapping_on_the_released_key_list():
     assert len({v for v in mapped.values()}) == 31
     # the released checkpoint nests the text model; the MTP prefix may come either way
     assert remap_mtp_weight_name("model.mtp.fc_hidden.weight") == "model.fc_hidden.weight"
-    assert remap_mtp_weight_name("model.language_model.mtp.fc_hidden.weight") is None or True
+    assert remap_mtp_weight_name("model.language_model.mtp.fc_hidden.weight") == (
+        "model.fc_hidden.weight"
+    )
     for decoy in (
         "model.language_model.layers.3.self_attn.q_proj.weight",
         "model.language_model.embed_tokens.weight",
@@ -219,5 +225,5 @@ def test_mtp_name_remapping_on_the_released_key_list():
         "model.language_model.hyper_connection_mixer.hc_norm.weight",
         "mtp.shared_head.head.weight",
     ):
-        assert Qwen4ExpMTP.map_name(decoy) is None
-    assert Qwen4ExpMTP.map_name("mtp.hyper_connection_mixer.block_inject_weight.weight") is None
+        assert map_mtp_checkpoint_name(decoy) is None
+    assert map_mtp_checkpoint_name("mtp.hyper_connection_mixer.block_inject_weight.weight") is None

@@ -2,7 +2,9 @@
 """DeepSeek-V4 attention: sliding window + compressed KV (CSA with the lightning indexer,
 or HCA), single-latent MQA with an attention sink and a grouped output projection.
 
-Math: research/deepseek_v4.md sections 2.5-2.7. Caches: `runtime.cache.deepseek_v4_pool`.
+Math: transformers' `models/deepseek_v4/modeling_deepseek_v4.py` (`DeepseekV4Attention`,
+`DeepseekV4CSACompressor`, `DeepseekV4HCACompressor`, `DeepseekV4Indexer`). Caches:
+`runtime.cache.deepseek_v4_pool`.
 
 Window keys and compressor state rows live in position-keyed rings (`position_ring`);
 their gather indices are built once per forward (`ctx.memo`) and shared by all layers.
@@ -165,7 +167,8 @@ def compress_access(ctx: ForwardContext, pool: DeepseekV4KVPool, ratio: int) -> 
 
 
 class DeepseekV4Compressor(nn.Module):
-    """Gated pooling of each block of `ratio` tokens into one `dim`-wide entry (section 2.6).
+    """Gated pooling of each block of `ratio` tokens into one `dim`-wide entry (transformers'
+    `DeepseekV4CSACompressor` / `DeepseekV4HCACompressor`).
 
     Ratio 4 pools 8 rows: the previous block's first channel half and this block's second
     half. The per-token `[kv | gate + ape]` rows live in the state ring; an entry is made when
@@ -214,8 +217,8 @@ class DeepseekV4Compressor(nn.Module):
 
 
 class DeepseekV4Indexer(nn.Module):
-    """Lightning indexer (section 2.7): scores every visible compressed entry per query and
-    keeps the top `index_topk`.
+    """Lightning indexer (transformers' `DeepseekV4Indexer`): scores every visible compressed
+    entry per query and keeps the top `index_topk`.
 
     `score[t, j] = sum_h w[t, h] * relu(q[t, h] . k_j) / sqrt(index_head_dim)` with
     `w = weights_proj(x) / sqrt(index_n_heads)`.

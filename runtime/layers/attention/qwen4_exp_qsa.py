@@ -5,10 +5,11 @@
     q = rope(q_norm(q));  k = rope(k_norm(k_proj(x)))
     o = o_proj(attention(q, k, v) * sigmoid(gate))       GQA, causal, restricted by QSA
 
-QSA (research/qwen4exp.md section 2.7): the visible keys of a query at p are grouped into
-complete blocks of `ratio` positions; a block's key is `rope(k_layernorm(mean of its raw
-index keys), block start)`; blocks are scored `sum_h relu(q_h . k_b) / sqrt(d)` and the top
-`budget / ratio` are kept, together with the incomplete tail block. Until a query sees more
+QSA (transformers' `Qwen4ExpTextQSAIndexer` in `models/qwen4_exp/modeling_qwen4_exp.py`):
+the visible keys of a query at p are grouped into complete blocks of `ratio` positions; a
+block's key is `rope(k_layernorm(mean of its raw index keys), block start)`; blocks are
+scored `sum_h relu(q_h . k_b) / sqrt(d)` and the top `budget / ratio` are kept, together
+with the incomplete tail block. Until a query sees more
 than `budget + ratio - 1` keys the selection keeps everything (dense attention).
 
 Keys and values live at full-history token slots (`out_cache_loc`); raw index keys beside

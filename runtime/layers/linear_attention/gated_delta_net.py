@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Gated DeltaNet linear attention (Qwen3.5 / Qwen4Exp; research/qwen4exp.md section 2.6).
+"""Gated DeltaNet linear attention (Qwen3.5 / Qwen4Exp; transformers'
+`Qwen4ExpTextGatedDeltaNet`).
 
     [qkv | z | b | a] = in_proj(x)
     qkv = silu(causal_conv_4(qkv))             depthwise, over this request's positions

@@ -1,0 +1,77 @@
+# SPDX-License-Identifier: Apache-2.0
+"""`DraftBatch`: what the MTP draft reads for one drafting pass.
+
+Per request b the batch holds a run of target rows at positions
+`prefix_lens[b] .. prefix_lens[b] + extend_lens[b] - 1` (the rows the target just ran: a
+prefill chunk, or the `S + 1` rows of a verify round), the token that follows each row and
+the target's captured hidden state of each row. The MTP layer at position p reads the
+target's state at p and the token at p + 1 (TokenSpeed's `deepseek_nextn.py`, vLLM's
+`qwen3_next_mtp.py`), so the draft runs over every row to fill its own cache and proposes
+from `gather_rows[b]`, the row whose successor is the newest committed token.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from runtime.core.request import Req
+
+
+@dataclass
+class DraftBatch:
+    reqs: Sequence[Req]  # [bs]
+    prefix_lens: list[int]  # [bs] position of each request's first row
+    extend_lens: list[int]  # [bs] rows of each request; T = sum(extend_lens)
+    next_tokens: torch.Tensor  # [T] the token that follows each row
+    target_hidden: torch.Tensor  # [T, D] the target's captured hidden state of each row
+    gather_rows: list[int]  # [bs] row (within the request) to draft from
+    propose: list[bool]  # [bs] False: only fill the draft's cache (a prefill chunk mid-prompt)
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.reqs)
+
+    @property
+    def req_pool_indices(self) -> list[int]:
+        return [r.req_pool_idx for r in self.reqs]
+
+    def row_starts(self) -> list[int]:
+        """[bs] index in `[T]` of each request's first row."""
+        return [0, *itertools.accumulate(self.extend_lens)][:-1]
+
+    def gather_indices(self) -> list[int]:
+        """[bs] index in `[T]` of each request's gather row."""
+        return [s + g for s, g in zip(self.row_starts(), self.gather_rows)]
+
+    def proposing(self) -> list[int]:
+        """Batch indices of the requests that want proposals."""
+        return [b for b, wanted in enumerate(self.propose) if wanted]
+
+    def first_chain_position(self, b: int) -> int:
+        """Position of request b's first chained draft step: just past its newest token."""
+        return self.prefix_lens[b] + self.gather_rows[b] + 1
+
+    def drop_leading_rows(self, skip: Sequence[int]) -> DraftBatch:
+        """The batch without the first `skip[b]` rows of each request (its positions start
+        later; its gather row is the same row)."""
+        if not any(skip):
+            return self
+        kept = torch.cat(
+            [
+                torch.arange(start + k, start + n)
+                for start, k, n in zip(self.row_starts(), skip, self.extend_lens)
+            ]
+        )
+        return DraftBatch(
+            self.reqs,
+            [p + k for p, k in zip(self.prefix_lens, skip)],
+            [n - k for n, k in zip(self.extend_lens, skip)],
+            self.next_tokens[kept],
+            self.target_hidden[kept],
+            [g - k for g, k in zip(self.gather_rows, skip)],
+            self.propose,
+        )
