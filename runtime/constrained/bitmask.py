@@ -87,3 +87,41 @@ def _masked(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
         masked, bitmask.to(masked.device, non_blocking=True), vocab_size=masked.shape[-1]
     )
     return masked
+
+
+class DraftWalk:
+    """Keeps a chain of draft proposals grammatical: each request's grammar is walked
+    tentatively over the tokens of this step that are not committed yet (`pending`), then
+    over each draft as it is chosen, and `close` rolls every walk back. A grammar that
+    refuses its pending tokens (a request that finishes this step) stops masking."""
+
+    def __init__(
+        self,
+        grammars: Sequence[RequestGrammar | None],
+        pending: Sequence[Sequence[int]],
+        vocab_size: int,
+    ):
+        self.grammars, self.vocab_size = list(grammars), vocab_size
+        self.walked = [0 if g is None else g.walk(p) for g, p in zip(self.grammars, pending)]
+        self.active = [
+            g is not None and w == len(p) for g, w, p in zip(self.grammars, self.walked, pending)
+        ]
+
+    def pick(self, logits: torch.Tensor) -> torch.Tensor:
+        """Greedy proposals `[k]` from `logits [k, V]` (row i: request i) under each active
+        grammar, which then advances over its proposal."""
+        rows = [g if on else None for g, on in zip(self.grammars, self.active)]
+        tokens = apply(logits, next_token_bitmask(rows, self.vocab_size)).argmax(-1)
+        for i, token in enumerate(tokens.tolist()):
+            if self.active[i]:
+                if self.grammars[i].walk([token]):
+                    self.walked[i] += 1
+                else:
+                    self.active[i] = False
+        return tokens
+
+    def close(self) -> None:
+        for grammar, walked in zip(self.grammars, self.walked):
+            if grammar is not None:
+                grammar.rollback(walked)
+        self.walked = [0] * len(self.grammars)

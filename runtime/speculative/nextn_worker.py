@@ -253,6 +253,7 @@ def redraft_batch(
         target_hidden=target_hidden,
         gather_rows=result.num_accepted.tolist(),
         propose=[True] * bs,
+        pending_tokens=result.tokens(drafts) if any(r.grammar for r in reqs) else None,
     )
 
 
@@ -275,4 +276,5 @@ def prefill_draft_batch(
         target_hidden=target_hidden,
         gather_rows=[c.length - 1 for c in chunks],
         propose=[c.completes for c in chunks],
+        pending_tokens=[o.tokens for o in outputs] if any(c.req.grammar for c in chunks) else None,
     )
