@@ -16,6 +16,7 @@
 # Prints a summary at the end; exits non-zero when a client failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+export HF_HUB_OFFLINE=1  # the clients resolve the model from the local path; nothing else
 repo=$PWD
 modes=("$@")
 [ ${#modes[@]} -eq 0 ] && modes=(nextn plain)
@@ -102,7 +103,7 @@ for mode in "${modes[@]}"; do
     set_client_url "$mode"
     for backend in sglang sglang-oai sglang-oai-chat; do
         run "bench_serving_${backend}_$mode" $py -m sglang.bench_serving --backend "$backend" \
-            --base-url "$url" --model deepseek_v4_tiny --tokenizer "$model" \
+            --base-url "$url" --model "$model" --tokenizer "$model" \
             --dataset-name sharegpt --dataset-path "$work/sharegpt.json" --num-prompts 8 \
             --sharegpt-output-len 32 --request-rate inf --disable-tqdm
         grep -E "Successful requests|Output token throughput|Accept length" \

@@ -116,6 +116,7 @@ def test_sgl_select_replay_scores_every_choice_and_picks_the_likeliest(servers, 
     assert prefix["meta_info"]["prompt_tokens"] == len(tokenizer.encode(text))
     assert prefix["output_ids"] == [] and prefix["meta_info"]["finish_reason"]["length"] == 0
 
+    prefix_ids = tokenizer.encode(text)
     body = scoring_call["body"]
     results = post(servers[mode], scoring_call)
     start = body["logprob_start_len"]
@@ -127,9 +128,13 @@ def test_sgl_select_replay_scores_every_choice_and_picks_the_likeliest(servers, 
         # the text slot the frontend reads (`input_token_logprobs[i][0][-1]`)
         assert [e[2] for e in entries] == [tokenizer.decode([t]) for t in ids[start:]]
         assert result["output_ids"] == [] and result["meta_info"]["output_token_logprobs"] == []
-        choice_tokens = len(ids) - prefix["meta_info"]["prompt_tokens"]
-        sums.append(sum(e[0] for e in entries[len(entries) - choice_tokens :]))
-        oracle_sums.append(oracle_logprobs(ids)[-choice_tokens:].sum().item())
+        # the choice's tokens: from the first one that differs from the prompt's own (the
+        # prompt's last token may merge with the choice, as SGLang's token healing expects)
+        first = next(
+            p for p, (a, b) in enumerate(zip(ids, prefix_ids + [-1] * len(ids))) if a != b
+        )
+        sums.append(sum(e[0] for e in entries[first - start :]))
+        oracle_sums.append(oracle_logprobs(ids)[first - 1 :].sum().item())
     assert max(range(len(sums)), key=sums.__getitem__) == max(
         range(len(oracle_sums)), key=oracle_sums.__getitem__
     )
