@@ -130,9 +130,7 @@ def test_sgl_select_replay_scores_every_choice_and_picks_the_likeliest(servers, 
         assert result["output_ids"] == [] and result["meta_info"]["output_token_logprobs"] == []
         # the choice's tokens: from the first one that differs from the prompt's own (the
         # prompt's last token may merge with the choice, as SGLang's token healing expects)
-        first = next(
-            p for p, (a, b) in enumerate(zip(ids, prefix_ids + [-1] * len(ids))) if a != b
-        )
+        first = next(p for p, (a, b) in enumerate(zip(ids, prefix_ids + [-1] * len(ids))) if a != b)
         sums.append(sum(e[0] for e in entries[first - start :]))
         oracle_sums.append(oracle_logprobs(ids)[first - 1 :].sum().item())
     assert max(range(len(sums)), key=sums.__getitem__) == max(
