@@ -56,6 +56,7 @@ async def server_info(state: State):
         info[key] = state.public_path(info.get(key))
     return {
         **info,
+        "vocab_size": state.core.model_config.vocab_size,
         "internal_states": [state.engine.stats.to_json()],
         "version": package_version(),
     }
