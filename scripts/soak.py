@@ -24,8 +24,8 @@ The report: requests per kind and status, every 5xx and every unexpected answer,
 latency, RSS at start / end / peak, and the slots and token slots not back after the
 server went idle. The exit status is 1 when any 5xx, unexpected answer or leak was seen.
 
-    python scripts/soak.py --minutes 10 --server-args "--speculative-algorithm NEXTN"
-    python scripts/soak.py --url http://127.0.0.1:30000 --server-pid 1234 --minutes 2
+    python -m scripts.soak --minutes 10 --server-args "--speculative-algorithm NEXTN"
+    python -m scripts.soak --url http://127.0.0.1:30000 --server-pid 1234 --minutes 2
 """
 
 from __future__ import annotations
@@ -35,7 +35,6 @@ import json
 import os
 import random
 import shlex
-import socket
 import statistics
 import subprocess
 import sys
@@ -50,7 +49,9 @@ from urllib.parse import urlparse
 
 import requests
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+from scripts import REPO_ROOT
+from scripts.bench.launched_server import free_port
+
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 USER = [{"role": "user", "content": "write a loop"}]
 PROMPTS = ["def fib(n):\n", "import os\n", "class Stack:\n", "for i in range(", "# parse the"]
@@ -75,12 +76,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 # the server
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Server:
     """The server under test: launched here (stopped at the end) or given by URL."""
 
@@ -100,10 +95,11 @@ class Server:
             cmd += ["--model-path", args.model_path]
         cmd += shlex.split(args.server_args)
         self.log = tempfile.NamedTemporaryFile("w+", prefix="soak_server_", suffix=".log")
-        path = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
-        env = {**os.environ, "PYTHONPATH": path}
         print(f"launching: {shlex.join(cmd)}", flush=True)
-        self.proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=self.log, stderr=self.log)
+        # run from the repository root, so `-m runtime...` is this checkout's runtime
+        self.proc = subprocess.Popen(
+            cmd, cwd=REPO_ROOT, env=dict(os.environ), stdout=self.log, stderr=self.log
+        )
         self.pid = self.proc.pid
 
     def wait_ready(self, timeout: float = 300.0) -> None:

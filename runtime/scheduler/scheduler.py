@@ -25,7 +25,7 @@ import logging
 from collections import deque
 
 from runtime.cache.slot_table import SlotTable
-from runtime.core.request import Req
+from runtime.core.request import FinishReason, Req
 from runtime.core.step_io import Chunk, TokenOutput
 from runtime.scheduler.fault_isolation import FaultIsolation, SuspectGroup
 
@@ -261,6 +261,8 @@ class Scheduler:
         req.num_cached, req.draft_tokens = 0, None
         if not req.input_logprobs_done:
             req.input_token_logprobs = []
+            req.input_top_logprobs = []
+            req.input_token_ids_logprobs = []
 
     def _release(self, req: Req) -> None:
         self.running.remove(req)
@@ -326,10 +328,18 @@ class Scheduler:
             req.input_token_logprobs += [
                 (lp, req.prompt_ids[pos]) for pos, lp in out.input_logprobs
             ]
+            req.input_top_logprobs += out.input_top_logprobs or []
+            req.input_token_ids_logprobs += out.input_token_ids_logprobs or []
         req.num_cached = chunk.end
         if chunk.end >= len(req.prompt_ids):
             req.input_logprobs_done = True
         self._store_speculation(req, out)
+        if chunk.completes and req.sampling_params.max_new_tokens == 0:
+            # a scoring request (prompt logprobs only): its prefill is all it wanted
+            req.finish(FinishReason("length", length=0))
+            self._release(req)
+            self.isolation.forget(req)
+            return True
         if out.tokens:
             self._append(req, out)
             return True
@@ -354,6 +364,8 @@ class Scheduler:
                 req.output_token_logprobs.append((out.logprobs[i], token))
                 if out.top_logprobs is not None:
                     req.output_top_logprobs.append(out.top_logprobs[i])
+            if out.token_ids_logprobs is not None:
+                req.output_token_ids_logprobs.append(out.token_ids_logprobs[i])
             if req.append_token(token, self.eos_ids):
                 break
         req.num_cached = req.seq_len - 1  # the newest token is not in the cache yet

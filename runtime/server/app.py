@@ -17,7 +17,7 @@ from runtime.server import admin_api, native_api, openai_api
 from runtime.server.errors import install_error_handlers
 from runtime.server.metrics import ServerMetrics
 from runtime.server.request_gate import RequestGate
-from runtime.server.state import ServerState
+from runtime.server.state import ServerState, public_name
 from runtime.server_args import ServerArgs
 
 
@@ -31,7 +31,7 @@ def create_app(
         engine.shutdown("the server is shutting down")
 
     app = FastAPI(title="nextn-runtime", version=package_version(), lifespan=lifespan)
-    model_name = args.served_model_name or engine.info.model_path
+    model_name = args.served_model_name or public_name(engine.info.model_path)
     app.state.server = ServerState(engine, args, metrics, model_name)
     app.add_middleware(RequestGate, api_key=args.api_key, max_body_size=args.max_body_size)
     install_error_handlers(app)

@@ -1,5 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
-"""OpenAI-compatible routes: `/v1/models`, `/v1/completions`, `/v1/chat/completions`.
+"""OpenAI-compatible routes: `/v1/models` (and `/v1/models/{id}`), `/v1/completions`,
+`/v1/chat/completions`. Request building (tokenizing, compiling a grammar) runs off the
+event loop.
 
 Request bodies and the engine requests they become are in `openai_protocol`, the response
 objects in `openai_render`; both streaming routes share one generator, `openai_stream`.
@@ -13,7 +15,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from fastapi import APIRouter, Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from runtime.core.result import RequestResult
@@ -23,8 +25,9 @@ from runtime.server.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     chat_requests,
-    check_model,
     completion_requests,
+    echo_texts,
+    log_model_name,
     with_openai_names,
 )
 from runtime.server.request_body import model_body
@@ -41,8 +44,10 @@ class StreamFormat:
     object: str  # "text_completion" | "chat.completion.chunk"
     id_prefix: str  # "cmpl" | "chatcmpl"
     choice: Callable  # (index, new text, finish reason, matched stop, logprobs) -> dict
-    logprobs: Callable[[RequestResult, int], dict] | None  # (snapshot, first new token)
+    # (snapshot, first new token, first chunk of the choice) -> logprobs
+    logprobs: Callable[[RequestResult, int, bool], dict] | None
     opening: Callable[[int], dict] | None = None  # first chunk's choice per index
+    echo: list[str] | None = None  # completion `echo`: text before choice i's first chunk
 
 
 async def openai_stream(
@@ -66,16 +71,21 @@ async def openai_stream(
         for i in range(count):
             yield chunk([fmt.opening(i)])
     sent_text, sent_tokens, finals = [""] * count, [0] * count, {}
+    opened = [False] * count
     async for i, snapshot in snapshots:
         text = snapshot.text or ""
         reason, matched = render.finish_reason(snapshot)
-        logprobs = fmt.logprobs(snapshot, sent_tokens[i]) if fmt.logprobs else None
-        delta, sent_text[i] = text[len(sent_text[i]) :], text
-        sent_tokens[i] = snapshot.completion_tokens
+        delta = text[len(sent_text[i]) :]
+        if not (delta or reason):
+            continue  # nothing new to say (text held back for a possible stop string)
+        first = not opened[i]
+        logprobs = fmt.logprobs(snapshot, sent_tokens[i], first) if fmt.logprobs else None
+        if first and fmt.echo is not None:
+            delta = fmt.echo[i] + delta
+        opened[i], sent_text[i], sent_tokens[i] = True, text, snapshot.completion_tokens
         if snapshot.finished:
             finals[i] = snapshot
-        if delta or reason:
-            yield chunk([fmt.choice(i, delta, reason, matched, logprobs)])
+        yield chunk([fmt.choice(i, delta, reason, matched, logprobs)])
     if include_usage:
         yield chunk([], usage=render.usage([finals[i] for i in range(count)], n))
     yield sse("[DONE]")
@@ -87,41 +97,46 @@ def _streaming(request: Request, generator: AsyncIterator[str]) -> StreamingResp
     )
 
 
-def _echo_texts(body: CompletionRequest, reqs, engine: Engine) -> list[str] | None:
-    if not body.echo:
-        return None
-    tokenizer = engine.tokenizer
-    return [tokenizer.decode(r.prompt_ids) if tokenizer else "" for r in reqs[:: body.n]]
-
-
 def _prepare_completion(body: CompletionRequest, engine: Engine):
-    """Requests (and echo texts) of a completion call: tokenizing and detokenizing, so it
+    """Requests and echo texts of a completion call: it tokenizes and detokenizes, so it
     runs in a worker thread."""
     reqs = with_openai_names(completion_requests, body, engine)
-    return reqs, _echo_texts(body, reqs, engine)
+    echo = None
+    if body.echo:
+        echo = echo_texts(body, [r.prompt_ids for r in reqs[:: body.n]], engine)
+    return reqs, echo
+
+
+def model_card(state: ServerState) -> dict:
+    return {
+        "id": state.model_name,
+        "object": "model",
+        "created": int(time.time()),
+        "owned_by": "nextn-runtime",
+        "root": state.model_name,
+        "max_model_len": state.engine.info.context_length,
+    }
 
 
 @router.get("/models")
 async def models(state: State):
-    return {
-        "object": "list",
-        "data": [
-            {
-                "id": state.model_name,
-                "object": "model",
-                "created": int(time.time()),
-                "owned_by": "nextn-runtime",
-                "root": state.engine.info.model_path,
-                "max_model_len": state.engine.info.context_length,
-            }
-        ],
-    }
+    return {"object": "list", "data": [model_card(state)]}
+
+
+@router.get("/models/{model:path}")
+async def retrieve_model(model: str, state: State):
+    """`client.models.retrieve(id)`: the served model; other ids are 404 (SGLang's answer)."""
+    if model != state.model_name:
+        body = render.error_body(f"The model '{model}' does not exist", 404, param="model")
+        body["error"]["code"] = "model_not_found"
+        return JSONResponse(body, status_code=404)
+    return model_card(state)
 
 
 @router.post("/completions")
 async def completions(request: Request, state: State):
     body = await model_body(request, CompletionRequest)
-    check_model(body.model, state.served_names)
+    log_model_name(body.model, state.model_name)
     reqs, echo = await run_in_threadpool(_prepare_completion, body, state.core)
     state.engine.submit(reqs)
     tokenizer = state.core.tokenizer
@@ -131,9 +146,14 @@ async def completions(request: Request, state: State):
             "text_completion",
             "cmpl",
             render.completion_choice,
-            (lambda r, start: render.completion_logprobs(r, tokenizer, start))
+            (
+                lambda r, start, first: render.completion_logprobs(
+                    r, tokenizer, start, with_prompt=first and body.echo
+                )
+            )
             if wants_logprobs
             else None,
+            echo=None if echo is None else [echo[i // body.n] for i in range(len(reqs))],
         )
         snapshots = merged(request, state.engine, reqs)
         return _streaming(
@@ -155,7 +175,7 @@ async def completions(request: Request, state: State):
 @router.post("/chat/completions")
 async def chat(request: Request, state: State):
     body = await model_body(request, ChatCompletionRequest)
-    check_model(body.model, state.served_names)
+    log_model_name(body.model, state.model_name)
     reqs = await run_in_threadpool(
         with_openai_names,
         chat_requests,
@@ -172,7 +192,9 @@ async def chat(request: Request, state: State):
             "chat.completion.chunk",
             "chatcmpl",
             render.chat_delta_choice,
-            (lambda r, start: render.chat_logprobs(r, tokenizer, start)) if body.logprobs else None,
+            (lambda r, start, first: render.chat_logprobs(r, tokenizer, start))
+            if body.logprobs
+            else None,
             opening=render.chat_opening_choice,
         )
         snapshots = merged(request, state.engine, reqs)
