@@ -69,19 +69,22 @@ class SamplingParams:
             return params
         if not isinstance(params, dict):
             raise InvalidRequestError(
-                f"sampling_params must be an object, got {type(params).__name__}"
+                f"sampling_params must be an object, got {type(params).__name__}",
+                param="sampling_params",
             )
         known = {f.name for f in fields(cls)} - {"extra"}
         unknown = sorted(set(params) - known - set(UNSUPPORTED_DEFAULTS))
         if unknown:
             raise InvalidRequestError(
-                f"unknown sampling parameter(s) {unknown}; known: {sorted(known)}"
+                f"unknown sampling parameter(s) {unknown}; known: {sorted(known)}",
+                param=unknown[0],
             )
         for name, defaults in UNSUPPORTED_DEFAULTS.items():
             if name in params and not _is_one_of(params[name], defaults):
                 raise InvalidRequestError(
                     f"sampling parameter '{name}' is not supported by this server "
-                    f"(send it unset or as {defaults[0]!r})"
+                    f"(send it unset or as {defaults[0]!r})",
+                    param=name,
                 )
         # null = the default (SGLang's `SamplingParams.__post_init__`), except for
         # max_new_tokens where it means "as many as the context leaves" (`Engine` resolves it)

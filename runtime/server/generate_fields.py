@@ -122,9 +122,12 @@ def check_fields(body: dict) -> None:
     """400 for a field SGLang does not know, or an unsupported one that is set."""
     unknown = sorted(set(body) - SUPPORTED - HINTS - UNSUPPORTED)
     if unknown:
-        raise InvalidRequestError(f"unknown field(s) {unknown} in the /generate request")
+        raise InvalidRequestError(
+            f"unknown field(s) {unknown} in the /generate request", param=unknown[0]
+        )
     for name in sorted(UNSUPPORTED & set(body)):
         if not is_unset(body[name]):
             raise InvalidRequestError(
-                f"'{name}' is not supported by this server (send it unset: null, false or empty)"
+                f"'{name}' is not supported by this server (send it unset: null, false or empty)",
+                param=name,
             )

@@ -52,13 +52,13 @@ def _prompts(body: dict, engine: Engine) -> tuple[list, bool]:
     """(prompts as token id lists, whether the body is a batch)."""
     text, input_ids = body.get("text"), body.get("input_ids")
     if (text is None) == (input_ids is None):
-        raise InvalidRequestError("send exactly one of 'text' or 'input_ids'")
+        raise InvalidRequestError("send exactly one of 'text' or 'input_ids'", param="text")
     if text is not None:
         _expect(text, (str, list), "text")
         batched = isinstance(text, list)
         texts = text if batched else [text]
         if any(not isinstance(t, str) for t in texts):
-            raise InvalidRequestError("'text' must be a string or a list of strings")
+            raise InvalidRequestError("'text' must be a string or a list of strings", param="text")
         param = "text" if not batched else "text[{}]"
         prompts = [engine.tokenize(t, param.format(i)) if t else [] for i, t in enumerate(texts)]
     else:

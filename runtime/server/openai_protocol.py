@@ -63,7 +63,8 @@ class ResponseFormat(BaseModel):
         if self.type == "json_schema":
             if self.json_schema is None or self.json_schema.schema_ is None:
                 raise InvalidRequestError(
-                    "response_format.json_schema.schema is required for type json_schema"
+                    "response_format.json_schema.schema is required for type json_schema",
+                    param="response_format",
                 )
             return json.dumps(self.json_schema.schema_)
         return None
@@ -167,11 +168,12 @@ class _RequestFields(BaseModel):
         for name in self.unsupported:
             if not is_unset(getattr(self, name)):
                 raise InvalidRequestError(
-                    f"'{name}' is not supported by this server (leave it unset)"
+                    f"'{name}' is not supported by this server (leave it unset)", param=name
                 )
         if self.stream_options and self.stream_options.continuous_usage_stats:
             raise InvalidRequestError(
-                "'stream_options.continuous_usage_stats' is not supported by this server"
+                "'stream_options.continuous_usage_stats' is not supported by this server",
+                param="stream_options",
             )
 
     def grammar(self) -> dict:
@@ -183,7 +185,8 @@ class _RequestFields(BaseModel):
             chosen["json_schema"] = schema
         if len(chosen) > 1 or (schema is not None and self.json_schema):
             raise InvalidRequestError(
-                "set at most one of response_format, regex, json_schema and ebnf"
+                "set at most one of response_format, regex, json_schema and ebnf",
+                param="response_format",
             )
         return chosen
 
@@ -320,15 +323,19 @@ class ChatCompletionRequest(_RequestFields):
         if self.tools:
             raise InvalidRequestError(
                 "'tools' is not supported by this server: the served model's chat template "
-                "has no tool-call format, so tool calls could not be parsed"
+                "has no tool-call format, so tool calls could not be parsed",
+                param="tools",
             )
         if self.tool_choice not in (None, "none", "auto"):
             raise InvalidRequestError(
                 f"'tool_choice' {self.tool_choice!r} needs tools, which this server does not "
-                "support (send 'none' or 'auto' or leave it unset)"
+                "support (send 'none' or 'auto' or leave it unset)",
+                param="tool_choice",
             )
         if self.modalities not in (None, [], ["text"]):
-            raise InvalidRequestError("'modalities' other than ['text'] are not supported")
+            raise InvalidRequestError(
+                "'modalities' other than ['text'] are not supported", param="modalities"
+            )
         super().refuse_unsupported()
 
 
@@ -381,7 +388,7 @@ def _max_tokens(requested: int | None, prompt_len: int, engine: Engine) -> int |
     if requested is None:
         return None
     if requested < 0:
-        raise InvalidRequestError(f"max_tokens must be >= 0, got {requested}")
+        raise InvalidRequestError(f"max_tokens must be >= 0, got {requested}", param="max_tokens")
     return requested
 
 
@@ -421,7 +428,7 @@ def completion_requests(body: CompletionRequest, engine: Engine) -> list[Req]:
     runs anyway (`logprob_start_len = 0`)."""
     body.refuse_unsupported()
     if body.logprobs is not None and body.logprobs < 0:
-        raise InvalidRequestError(f"logprobs must be >= 0, got {body.logprobs}")
+        raise InvalidRequestError(f"logprobs must be >= 0, got {body.logprobs}", param="logprobs")
     reqs = []
     for ids in completion_prompts(body, engine):
         params = body.sampling_params(_max_tokens(body.max_tokens, len(ids), engine))
@@ -496,6 +503,6 @@ def chat_requests(body: ChatCompletionRequest, engine: Engine) -> list[Req]:
     )
     top = body.top_logprobs or 0
     if top and not body.logprobs:
-        raise InvalidRequestError("top_logprobs needs logprobs: true")
+        raise InvalidRequestError("top_logprobs needs logprobs: true", param="top_logprobs")
     params = body.sampling_params(_max_tokens(requested, len(ids), engine))
     return engine.make_requests(ids, params, return_logprob=body.logprobs, top_logprobs_num=top)

@@ -54,6 +54,21 @@ BAD_INPUT = [
     (G, {"input_ids": [5, True]}, 400, "token ids", "input_ids"),
     (C, {"prompt": [5, 6, 1000]}, 400, "token ids", "prompt"),
     (C, {"prompt": [[5], [6, 1000]]}, 400, "token ids", "prompt"),
+    (
+        G,
+        {"text": "x", "return_logprob": True, "token_ids_logprob": [5, 99999]},
+        400,
+        "token_ids_logprob",
+        "token_ids_logprob",
+    ),
+    (
+        G,
+        {"text": "x", "sampling_params": {"logit_bias": {"99999": 1.0}}},
+        400,
+        "logit_bias",
+        "logit_bias",
+    ),
+    (C, {"prompt": "x", "logit_bias": {"99999": 5}}, 400, "logit_bias", "logit_bias"),
     # text that is not valid Unicode (lone surrogates) or not UTF-8
     (G, '{"text": "ab\\ud800c"}', 400, "lone surrogate", "text"),
     (C, '{"prompt": ["ok", "\\udfff"]}', 400, "lone surrogate", "prompt[1]"),
