@@ -24,6 +24,7 @@ import queue
 import threading
 import time
 import traceback
+from collections import Counter
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
@@ -87,11 +88,8 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         ids = [r.rid for r in reqs]
         parents = {r.parent_rid for r in reqs if r.parent_rid is not None}
-        wanted = ids + sorted(parents)
-        clashes = sorted(
-            {rid for rid in wanted if rid in self._subscribers or rid in self._children}
-            | {rid for rid in wanted if wanted.count(rid) > 1}
-        )
+        wanted = Counter(ids + sorted(parents))
+        clashes = sorted(rid for rid, count in wanted.items() if count > 1 or self.is_live(rid))
         if clashes:
             raise DuplicateRequestError(
                 f"request id(s) {clashes} already belong to a live request; use new ids",

@@ -7,8 +7,8 @@ suspects: each is retracted (its cache freed, to be recomputed from prompt + out
 and the suspects are re-run in halves, one group at a time, with nothing else in their
 steps. A group whose requests all get past the point where the step failed is cleared and
 its requests go back to normal batching; a group that fails again is halved again; a
-request that fails alone is aborted with the error. This is bisection over the batch
-(SGLang aborts the whole batch instead; vLLM's engine dies).
+request that fails alone is aborted with the error: bisection over the batch, which finds
+one culprit among n requests in about log2(n) re-runs.
 
 Why recompute rather than re-run the failed step in place: a failed forward may already
 have written cache rows for every request of the batch. Rows keyed by position (KV, rings,
