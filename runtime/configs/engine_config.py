@@ -75,6 +75,18 @@ class EngineConfig:
         None, "prompt + output tokens per request (default: the model's max positions)"
     )
     random_seed: int | None = setting(None, "seed of the engine's sampling generator")
+    disable_radix_cache: bool = setting(
+        False, "turn off prefix caching: every request prefills its whole prompt"
+    )
+    radix_snapshot_interval: int = setting(
+        256,
+        "prefill chunks end at multiples of this many tokens so the prefix cache keeps the "
+        "per-request state there (0: only at finish, retraction and shared prefixes)",
+    )
+    radix_snapshot_slots: int | None = setting(
+        None,
+        "per-request state snapshots the prefix cache keeps (default: 2 x --max-running-requests)",
+    )
     skip_tokenizer_init: bool = setting(False, "load no tokenizer: clients send input_ids")
     speculative_algorithm: str | None = setting(None, "NEXTN (aliases MTP, EAGLE)")
     speculative_num_steps: int | None = setting(None, "draft steps per round (default 3)")
@@ -103,6 +115,8 @@ class EngineConfig:
             self.max_running_requests = (
                 SPECULATIVE_MAX_RUNNING_REQUESTS if spec else DEFAULT_MAX_RUNNING_REQUESTS
             )
+        if self.radix_snapshot_slots is None and self.max_running_requests >= 1:
+            self.radix_snapshot_slots = 2 * self.max_running_requests
         self.model_path = str(self.model_path) if self.model_path else default_model_path()
         if not Path(self.model_path).is_dir():
             raise FileNotFoundError(
@@ -131,6 +145,11 @@ class EngineConfig:
             (
                 self.context_length is None or self.context_length >= 2,
                 "--context-length must be >= 2",
+            ),
+            (self.radix_snapshot_interval >= 0, "--radix-snapshot-interval must be >= 0"),
+            (
+                self.radix_snapshot_slots is None or self.radix_snapshot_slots >= 1,
+                "--radix-snapshot-slots must be >= 1",
             ),
         ]
 

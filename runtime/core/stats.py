@@ -36,7 +36,16 @@ class EngineStats:
     num_retractions: int = 0
     available_tokens: int = 0
     available_request_slots: int = 0
-    token_usage: float = 0.0  # fraction of KV token slots in use
+    token_usage: float = 0.0  # fraction of KV token slots in use (as SGLang: evictable is free)
+    # prefix (radix) cache: prompt tokens served from it over all requests admitted so far,
+    # what it holds now and what it gave back under memory pressure
+    cache_hit_rate: float = 0.0  # cache_hit_tokens / cache_prompt_tokens
+    cache_hit_tokens: int = 0
+    cache_prompt_tokens: int = 0
+    cache_evicted_tokens: int = 0
+    cache_evicted_snapshots: int = 0
+    cache_tokens: int = 0  # token slots the prefix cache holds
+    cache_snapshots: int = 0  # per-request state snapshots it holds
     # speculative decoding, engine-wide (None when it is off); raw counters so a client can
     # take the accept length over its own window
     avg_spec_accept_length: float | None = None

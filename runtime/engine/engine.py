@@ -22,6 +22,7 @@ import uuid
 import torch
 
 from runtime.cache.allocator import PagedTokenAllocator
+from runtime.cache.prefix_cache import PrefixCache, RadixPrefixCache
 from runtime.cache.req_to_token_pool import ReqToTokenPool
 from runtime.cache.slot_table import SlotTable
 from runtime.configs.engine_config import DEFAULT_MODEL_DIR, EngineConfig, default_model_path
@@ -75,12 +76,14 @@ class Engine:
             if config.skip_tokenizer_init
             else load_tokenizer(config.tokenizer_path or config.model_path)
         )
+        self.prefix_cache = self._prefix_cache()
         self.scheduler = Scheduler(
             self.worker,
             self.slot_table,
             self.eos_ids,
             config.max_running_requests,
             config.chunked_prefill_size,
+            self.prefix_cache,
         )
         self.info = self._info()
         self._ids = itertools.count()
@@ -105,6 +108,22 @@ class Engine:
         return SlotTable(
             ReqToTokenPool(config.max_running_requests, max_context, config.device),
             PagedTokenAllocator(num_pages, config.page_size, config.device),
+        )
+
+    def _prefix_cache(self) -> PrefixCache:
+        """The radix cache over every pool a request's state lives in: the target's and,
+        when speculating, the MTP draft's (so a resumed request drafts as well as a fresh
+        one), or no sharing with `disable_radix_cache`."""
+        if self.config.disable_radix_cache:
+            return PrefixCache(self.slot_table)
+        pools = [self.runner.kv_pool]
+        if self.spec_config:
+            pools.append(self.worker.drafter.runner.kv_pool)
+        return RadixPrefixCache(
+            self.slot_table,
+            pools,
+            snapshot_slots=self.config.radix_snapshot_slots,
+            snapshot_interval=self.config.radix_snapshot_interval,
         )
 
     def _info(self) -> EngineInfo:
@@ -233,9 +252,12 @@ class Engine:
         return reqs
 
     def flush_cache(self) -> bool:
-        """SGLang's `/flush_cache`. There is no prefix cache to drop yet; like SGLang it is
+        """SGLang's `/flush_cache`: drop everything the prefix cache holds. Like SGLang it is
         refused (False) while requests are in flight."""
-        return not self.has_work()
+        if self.has_work():
+            return False
+        self.prefix_cache.reset()
+        return True
 
     def generate(
         self,
@@ -289,4 +311,4 @@ class Engine:
         """Load and speculative counters right now. Call on the engine's thread; other
         threads read `AsyncEngine.stats`, the snapshot it publishes after every step."""
         spec_stats = self.worker.stats if self.spec_config else None
-        return engine_stats(self.scheduler, self.slot_table, spec_stats)
+        return engine_stats(self.scheduler, self.slot_table, spec_stats, self.prefix_cache.stats())

@@ -33,14 +33,18 @@ def build_worker(
     draft_cls = draft_class(target_cls, model_config) if spec else None
     pass_width = spec.num_draft_tokens if spec else 1
 
-    def runner(cls: type) -> ModelRunner:
+    def runner(cls: type, width: int) -> ModelRunner:
         model = load_model(model_config, cls, progress=progress)
-        return ModelRunner(model, model_config, slot_table, pass_width, device=device)
+        return ModelRunner(model, model_config, slot_table, width, device=device)
 
-    target = runner(target_cls)
+    target = runner(target_cls, pass_width)
     if not spec:
         return target, PlainWorker(target, eos_ids, generator)
-    draft = runner(draft_cls)
+    # The draft writes up to `num_steps` positions past the committed length (its chained
+    # steps) on top of rows a later round may reject; rings this much longer still hold
+    # the window before any position of the last round, which is where the prefix cache
+    # may snapshot a request whose round ran past its stop.
+    draft = runner(draft_cls, max(pass_width, 2 * spec.num_steps))
     draft.model.set_embed_and_head(*target.model.get_embed_and_head())
     drafter = MTPDrafter(draft, spec.num_steps)
     return target, NextNWorker(target, drafter, spec, eos_ids, generator)

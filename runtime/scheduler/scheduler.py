@@ -10,8 +10,12 @@ Each `step()` runs one worker step over the running requests:
 * decoding requests contribute their newest token (or one speculative round). A worker
   that `supports_mixed` runs chunks and decode rows in one forward; otherwise prefill
   steps and decode steps alternate so neither starves.
-* when token pages run out for a decode, the most recently admitted request is retracted:
-  its pages are freed and it is re-queued to be recomputed from prompt + output so far.
+* when token pages run out for a decode, the prefix cache gives back what it holds first;
+  then the most recently admitted request is retracted: its pages are freed (its state goes
+  to the prefix cache) and it is re-queued to be recomputed from prompt + output so far.
+* the prefix cache (`runtime.cache.prefix_cache`) is consulted through a small interface:
+  match at admission, cache after prefill chunks that end at its snapshot points and when a
+  request finishes or is retracted, make room under pressure.
 
 Finish checks run per emitted token, in order, so nothing after a stop leaks out.
 """
@@ -21,6 +25,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 
+from runtime.cache.prefix_cache import Admission, PrefixCache
 from runtime.cache.slot_table import SlotTable
 from runtime.core.request import FinishReason, Req
 from runtime.core.step_io import Chunk, TokenOutput
@@ -36,8 +41,12 @@ class Scheduler:
         eos_ids: set[int],
         max_running_requests: int,
         chunked_prefill_size: int | None = None,
+        prefix_cache: PrefixCache | None = None,
     ):
         self.worker, self.slot_table = worker, slot_table
+        self.prefix_cache = prefix_cache or PrefixCache(slot_table)
+        # a speculative worker decodes a request only once it has drafts for it
+        self._needs_drafts = bool(getattr(worker, "needs_drafts", False))
         self.eos_ids = eos_ids
         self.max_running_requests = max_running_requests
         self.chunk_budget = (
@@ -75,7 +84,7 @@ class Scheduler:
         touched = self._admit()
         touched += self._ensure_decode_slots()
         prefill = self._plan_prefill()
-        decode = [r for r in self.running if r.is_decoding]
+        decode = [r for r in self.running if self._decodes(r)]
         if prefill and decode and not self.worker.supports_mixed:
             if self._last_step_prefilled:
                 prefill = []
@@ -94,21 +103,25 @@ class Scheduler:
     def _needed(self, req: Req) -> int:
         return req.seq_len + self.worker.reserve_ahead()
 
+    def _decodes(self, req: Req) -> bool:
+        """The request's next step is a decode step (a request resumed from the prefix cache
+        right at its newest token still runs it as a prefill chunk to get its drafts)."""
+        return req.is_decoding and (not self._needs_drafts or req.draft_tokens is not None)
+
     def _admit(self) -> list[Req]:
         rejected: list[Req] = []
         while self.waiting and len(self.running) < self.max_running_requests:
             req = self.waiting[0]
-            idx = self.slot_table.open_request()
-            if idx is None:
+            if self.prefix_cache.waits_for_prefix(req, self.running):
                 break
             # keep a page of headroom per running request so they can keep decoding
             headroom = len(self.running) * self.slot_table.page_size
-            fits = (
-                self.slot_table.allocator.available_tokens() >= self._needed(req) + headroom
-                or not self.running
+            admission = self.prefix_cache.admit(
+                req, self._needed(req), headroom, alone=not self.running
             )
-            if not fits or not self.slot_table.reserve(idx, self._needed(req)):
-                self.slot_table.release(idx)
+            if admission is Admission.NO_REQUEST_SLOT:
+                break
+            if admission is Admission.NO_ROOM:
                 if not self.running:
                     self.waiting.popleft()
                     req.finish(
@@ -123,7 +136,6 @@ class Scheduler:
                     continue
                 break
             self.waiting.popleft()
-            req.req_pool_idx, req.num_cached = idx, 0
             self.running.append(req)
         return rejected
 
@@ -131,13 +143,15 @@ class Scheduler:
         budget = self.chunk_budget
         chunks = []
         for req in self.running:
-            if req.is_decoding:
+            if self._decodes(req):
                 continue
             remaining = req.seq_len - req.num_cached
             size = remaining if budget is None else min(remaining, budget)
             if size <= 0:
                 break
-            chunks.append(Chunk(req, req.num_cached, req.num_cached + size))
+            end = self.prefix_cache.chunk_end(req, req.num_cached, req.num_cached + size)
+            size = end - req.num_cached
+            chunks.append(Chunk(req, req.num_cached, end))
             if budget is not None:
                 budget -= size
         return chunks
@@ -146,11 +160,17 @@ class Scheduler:
         """Every decoding request needs slots for its next step: retract the newest
         requests until they fit (a lone request that cannot fit is aborted)."""
         while True:
-            decode = [r for r in self.running if r.is_decoding]
+            decode = [r for r in self.running if self._decodes(r)]
             if all(self.slot_table.reserve(r.req_pool_idx, self._needed(r)) for r in decode):
                 return []
+            short = sum(
+                self.slot_table.pages_needed(r.req_pool_idx, self._needed(r)) for r in decode
+            )
+            short -= self.slot_table.allocator.available_pages()
+            if short > 0 and self.prefix_cache.make_room(short) >= short:
+                continue
             victim = self.running[-1]
-            self._release(victim)
+            self._release(victim, keep_state=True)
             if not self.running:
                 victim.abort(
                     "out of KV cache: this request alone needs more tokens than the pool "
@@ -165,10 +185,11 @@ class Scheduler:
                 "retracted request %s (%d tokens) to free KV cache", victim.rid, victim.seq_len
             )
 
-    def _release(self, req: Req) -> None:
+    def _release(self, req: Req, keep_state: bool = False, verify_row: int | None = None) -> None:
+        """Free what `req` holds; with `keep_state` the prefix cache may keep its computed
+        prefix (see `PrefixCache.release` for `verify_row`)."""
         self.running.remove(req)
-        self.slot_table.release(req.req_pool_idx)
-        req.req_pool_idx = None
+        self.prefix_cache.release(req, keep_state, verify_row)
 
     # results ------------------------------------------------------------------------------
     def _commit_prefill(self, chunks: list[Chunk], outputs: list[TokenOutput]) -> list[Req]:
@@ -182,6 +203,8 @@ class Scheduler:
             req.num_cached = chunk.end
             if chunk.end >= len(req.prompt_ids):
                 req.input_logprobs_done = True
+            if not chunk.completes:
+                self.prefix_cache.after_prefill_chunk(req)
             self._store_speculation(req, out)
             if out.tokens:
                 self._append(req, out)
@@ -203,13 +226,18 @@ class Scheduler:
             req.draft_tokens = out.draft_tokens
 
     def _append(self, req: Req, out: TokenOutput) -> None:
+        appended = 0
         for i, token in enumerate(out.tokens):
             if out.logprobs is not None:
                 req.output_token_logprobs.append((out.logprobs[i], token))
                 if out.top_logprobs is not None:
                     req.output_top_logprobs.append(out.top_logprobs[i])
+            appended = i + 1
             if req.append_token(token, self.eos_ids):
                 break
         req.num_cached = req.seq_len - 1  # the newest token is not in the cache yet
         if req.finished:
-            self._release(req)
+            # a speculative round that emitted tokens past the stop left the caches at its
+            # last row; the state at the stop is that after verify row `appended - 1`
+            verify_row = appended - 1 if appended < len(out.tokens) else None
+            self._release(req, keep_state=True, verify_row=verify_row)

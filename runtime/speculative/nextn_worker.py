@@ -66,6 +66,7 @@ class SpecStats:
 
 class NextNWorker:
     supports_mixed = False
+    needs_drafts = True  # a request decodes once a prefill step has drafted for it
 
     def __init__(
         self,
