@@ -170,7 +170,8 @@ def build_dataset(args, info: dict) -> list[BenchRequest]:
         tokenizer = load_tokenizer(tokenizer_path)
     vocab = None
     if args.dataset_name == "random" and not text:
-        vocab = model_vocab_size(info.get("model_path"), tokenizer)
+        # the server reports its vocabulary (its model path is a name, not a local path)
+        vocab = info.get("vocab_size") or model_vocab_size(info.get("model_path"), tokenizer)
     return requests_from_args(args, vocab_size=vocab, tokenizer=tokenizer, text=text)
 
 

@@ -468,12 +468,16 @@ def check_serving(text: str, record: dict, num: int, output_len: int) -> dict[st
         ("sglang-oai-chat", []),
     ],
 )
-def test_serving_against_a_running_server(nextn_server, backend, extra, tmp_path, capsys):
+def test_serving_against_a_running_server(nextn_server, ckpt, backend, extra, tmp_path, capsys):
     jsonl = tmp_path / "serving.jsonl"
     script("bench_serving").main(
         [
             "--base-url",
             nextn_server,
+            # the server names its model rather than showing its path: the client brings
+            # the tokenizer, as with SGLang's bench_serving
+            "--tokenizer",
+            str(ckpt),
             "--backend",
             backend,
             "--num-prompts",
