@@ -109,6 +109,11 @@ class PrefixCache:
 
     def _admitted(self, req: Req, idx: int, cached: int) -> None:
         req.req_pool_idx, req.num_cached = idx, cached
+        if cached < req.seq_len - 1:
+            # A retracted request resumed right at its newest token keeps the drafts it had:
+            # the cache holds exactly the state they were drafted from, so its next verify
+            # round is the one it would have run. Anywhere earlier they are recomputed.
+            req.draft_tokens = None
         if req.num_retractions == 0:
             req.cached_tokens = cached
             self.hit_tokens += cached

@@ -177,7 +177,7 @@ class Scheduler:
                     "holds; raise --max-total-tokens or lower max_new_tokens"
                 )
                 return [victim]
-            victim.num_cached, victim.draft_tokens = 0, None
+            victim.num_cached = 0  # its drafts stay: valid if it resumes at its newest token
             victim.num_retractions += 1
             self.num_retractions += 1
             self.waiting.appendleft(victim)
