@@ -149,6 +149,9 @@ class PrefixCache:
     def stats(self) -> PrefixCacheStats:
         return PrefixCacheStats(self.enabled, self.hit_tokens, self.prompt_tokens)
 
+    def describe(self) -> str:
+        return "off"
+
 
 class RadixPrefixCache(PrefixCache):
     enabled = True
@@ -308,6 +311,12 @@ class RadixPrefixCache(PrefixCache):
 
     def reset(self) -> None:
         self.tree.reset()
+
+    def describe(self) -> str:
+        return (
+            f"radix tree in units of {self.unit} tokens, {self.snapshots.num_slots} state "
+            f"snapshots of {self.snapshots.nbytes() / self.snapshots.num_slots / 2**10:.1f} KiB"
+        )
 
     def stats(self) -> PrefixCacheStats:
         counters = self.tree.counters

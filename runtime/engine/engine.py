@@ -91,12 +91,14 @@ class Engine:
         self._grammar_backend = None
         self._grammar_lock = threading.Lock()
         logger.info(
-            "KV cache: %d token slots in pages of %d, %d request slots, %.1f MiB; speculative: %s",
+            "KV cache: %d token slots in pages of %d, %d request slots, %.1f MiB; speculative: "
+            "%s; prefix cache: %s",
             self.info.max_total_tokens,
             self.info.page_size,
             self.info.max_running_requests,
             self.info.kv_cache_bytes / 2**20,
             self.spec_config,
+            self.prefix_cache.describe(),
         )
 
     def _slot_table(self, pass_width: int) -> SlotTable:
