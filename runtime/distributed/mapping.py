@@ -3,6 +3,15 @@
 
 Layers never read global state to learn their shard: they are handed a `ParallelGroup`
 (rank, size and the torch.distributed group, if any) through the model's `Mapping`.
+
+One model replica runs on `world = max(tp, ep)` ranks (SGLang's `--tp-size` / `--ep-size`):
+
+* attention is split over `tp` consecutive ranks (heads, vocabulary, dense MLPs); with
+  `tp < world` the attention groups repeat and compute the same thing;
+* routed experts are split over `ep` ranks in contiguous blocks, and each expert's
+  intermediate width over the remaining `moe_tp = world / ep` ranks (SGLang's
+  `moe_tp_size = tp_size / ep_size`), so every rank of the replica holds a distinct piece
+  of every MoE layer and the partial outputs are summed over the whole replica.
 """
 
 from __future__ import annotations
@@ -39,7 +48,12 @@ class AttentionMapping:
 
 @dataclass(frozen=True)
 class MoEMapping:
+    """`ep` splits the routed experts, `tp` each expert's intermediate width; `combine` is
+    the group whose partial outputs add up to the layer's output (the whole replica)."""
+
     ep: ParallelGroup = field(default_factory=ParallelGroup)
+    tp: ParallelGroup = field(default_factory=ParallelGroup)
+    combine: ParallelGroup = field(default_factory=ParallelGroup)
 
     @property
     def ep_rank(self) -> int:
@@ -51,15 +65,80 @@ class MoEMapping:
 
 
 @dataclass(frozen=True)
+class ParallelLayout:
+    """The sizes of one replica's layout and each rank's coordinates in it."""
+
+    tp_size: int = 1
+    ep_size: int = 1
+
+    def __post_init__(self) -> None:
+        tp, ep = self.tp_size, self.ep_size
+        if tp < 1 or ep < 1:
+            raise ValueError(f"--tp-size and --ep-size must be >= 1, got {tp} and {ep}")
+        if max(tp, ep) % min(tp, ep):
+            raise ValueError(
+                f"--ep-size {ep} and --tp-size {tp}: the smaller must divide the larger "
+                "(a replica runs on max(tp, ep) ranks)"
+            )
+
+    @property
+    def world_size(self) -> int:
+        return max(self.tp_size, self.ep_size)
+
+    @property
+    def moe_tp_size(self) -> int:
+        return self.world_size // self.ep_size
+
+    def tp_rank(self, rank: int) -> int:
+        return rank % self.tp_size
+
+    def ep_rank(self, rank: int) -> int:
+        return rank // self.moe_tp_size
+
+    def moe_tp_rank(self, rank: int) -> int:
+        return rank % self.moe_tp_size
+
+    def tp_groups(self) -> list[list[int]]:
+        """Ranks of each attention tensor-parallel group."""
+        w, tp = self.world_size, self.tp_size
+        return [list(range(start, start + tp)) for start in range(0, w, tp)]
+
+    def ep_groups(self) -> list[list[int]]:
+        """Ranks holding the same slice of every expert, one per expert block."""
+        return [list(range(i, self.world_size, self.moe_tp_size)) for i in range(self.moe_tp_size)]
+
+    def moe_tp_groups(self) -> list[list[int]]:
+        """Ranks holding the same experts, one per slice of the intermediate width."""
+        m = self.moe_tp_size
+        return [list(range(start, start + m)) for start in range(0, self.world_size, m)]
+
+
+@dataclass(frozen=True)
 class Mapping:
-    """Attention tensor parallelism and MoE expert parallelism for one process."""
+    """Attention tensor parallelism and MoE expert / tensor parallelism for one process."""
 
     attn: AttentionMapping = field(default_factory=AttentionMapping)
     moe: MoEMapping = field(default_factory=MoEMapping)
+    world: ParallelGroup = field(default_factory=ParallelGroup)
 
     @classmethod
     def single(cls) -> Mapping:
         return cls()
+
+    @property
+    def rank(self) -> int:
+        return self.world.rank
+
+    @property
+    def is_parallel(self) -> bool:
+        return self.world.size > 1
+
+    @property
+    def moe_reduction_spans_tp(self) -> bool:
+        """A shared expert split over attention TP can add its partial sums into the routed
+        experts' all-reduce (one collective per MoE layer, as SGLang does): the two groups
+        are the same ranks."""
+        return self.attn.tp.size == self.moe.combine.size
 
     @classmethod
     def for_ranks(
@@ -71,7 +150,12 @@ class Mapping:
         tp_group: Any = None,
         ep_group: Any = None,
     ) -> Mapping:
+        """A layout with attention TP and expert parallelism over the same ranks (no groups
+        are created here: pass them, or use `runtime.distributed.init_replica`)."""
         return cls(
             attn=AttentionMapping(ParallelGroup(tp_rank, tp_size, tp_group)),
-            moe=MoEMapping(ParallelGroup(ep_rank, ep_size, ep_group)),
+            moe=MoEMapping(
+                ep=ParallelGroup(ep_rank, ep_size, ep_group),
+                combine=ParallelGroup(ep_rank, ep_size, ep_group),
+            ),
         )
