@@ -24,9 +24,14 @@ class EngineInfo:
     speculative_num_steps: int | None = None
     speculative_eagle_topk: int | None = None
     speculative_num_draft_tokens: int | None = None
+    # what each rank of the replica holds after start-up: rank, weights, kv_cache, peak_rss
+    # (bytes), device_allocated
+    rank_memory: tuple[dict, ...] = ()
 
     def to_json(self) -> dict:
-        return asdict(self)
+        out = asdict(self)
+        out["rank_memory"] = list(out["rank_memory"])
+        return out
 
 
 @dataclass(frozen=True)

@@ -36,14 +36,6 @@ logger = logging.getLogger(__name__)
 _CONTROL_TIMEOUT = timedelta(days=365)
 
 
-def parse_address(address: str) -> tuple[str, int]:
-    """`host:port` -> (host, port); ValueError naming the flag when malformed."""
-    host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"--dist-init-addr must be HOST:PORT, got {address!r}")
-    return host.strip("[]"), int(port)
-
-
 @dataclass
 class Replica:
     """This process's place in a replica and the handles it talks through."""

@@ -21,18 +21,16 @@ import uuid
 
 import torch
 
-from runtime.cache.allocator import PagedTokenAllocator
-from runtime.cache.req_to_token_pool import ReqToTokenPool
-from runtime.cache.slot_table import SlotTable
 from runtime.configs.engine_config import DEFAULT_MODEL_DIR, EngineConfig, default_model_path
-from runtime.configs.model_config import ModelConfig
 from runtime.core.errors import InvalidRequestError
 from runtime.core.request import FinishReason, Req
 from runtime.core.result import RequestResult
 from runtime.core.sampling_params import SamplingParams
 from runtime.core.stats import EngineInfo, EngineStats
 from runtime.engine.fanout import fan_out
+from runtime.engine.ranks import RankMemory, ReplicaLeader, memory_report
 from runtime.engine.results import engine_stats, request_result
+from runtime.engine.setup import engine_setup
 from runtime.engine.sglang_output import render_generate
 from runtime.engine.tokenizer import load_tokenizer
 from runtime.engine.worker_factory import build_worker
@@ -50,13 +48,22 @@ class Engine:
         `Engine(model_path=..., dtype="float32", speculative_algorithm="NEXTN")`."""
         config = dataclasses.replace(config or EngineConfig(), **overrides).resolve()
         self.config, self.model_path = config, config.model_path
-        self.spec_config = config.speculative_config()
-        self.model_config = ModelConfig.from_path(
-            config.model_path, config.dtype, config.context_length
-        )
+        # rank 0 of a multi-rank replica: the other ranks start (and are watched) from here
+        self.leader = ReplicaLeader(config) if config.parallel_layout().world_size > 1 else None
+        try:
+            self._build(config, progress)
+        except BaseException:
+            if self.leader is not None:
+                self.leader.shutdown()
+            raise
+
+    def _build(self, config: EngineConfig, progress: bool) -> None:
+        leader = self.leader
+        device = leader.device if leader is not None else config.device
+        setup = engine_setup(config, device)
+        self.spec_config, self.model_config = setup.spec_config, setup.model_config
         self.context_length = self.model_config.context_length
-        pass_width = self.spec_config.num_draft_tokens if self.spec_config else 1
-        self.slot_table = self._slot_table(pass_width)
+        self.slot_table = setup.slot_table
         self.eos_ids = set(self.model_config.eos_token_ids)  # shared by worker and scheduler
         generator = None
         if config.random_seed is not None:
@@ -67,8 +74,14 @@ class Engine:
             self.spec_config,
             self.eos_ids,
             generator,
-            device=config.device,
+            device=device,
             progress=progress,
+            mapping=leader.mapping if leader is not None else None,
+            broadcaster=leader.attach(self.slot_table.req_to_token) if leader else None,
+        )
+        runners = [self.runner] + ([self.worker.drafter.runner] if self.spec_config else [])
+        self.rank_memory: list[RankMemory] = (
+            leader.gather_memory(runners) if leader is not None else [memory_report(0, runners)]
         )
         self.tokenizer = (
             None
@@ -93,20 +106,6 @@ class Engine:
             self.spec_config,
         )
 
-    def _slot_table(self, pass_width: int) -> SlotTable:
-        config = self.config
-        num_pages = config.max_total_tokens // config.page_size
-        # room for the positions a speculative round writes past the context end
-        max_context = (
-            min(self.context_length, num_pages * config.page_size)
-            + 2 * pass_width
-            + config.page_size
-        )
-        return SlotTable(
-            ReqToTokenPool(config.max_running_requests, max_context, config.device),
-            PagedTokenAllocator(num_pages, config.page_size, config.device),
-        )
-
     def _info(self) -> EngineInfo:
         spec = self.spec_config
         return EngineInfo(
@@ -120,6 +119,7 @@ class Engine:
             speculative_num_steps=spec.num_steps if spec else None,
             speculative_eagle_topk=spec.eagle_topk if spec else None,
             speculative_num_draft_tokens=spec.num_draft_tokens if spec else None,
+            rank_memory=tuple(report.to_json() for report in self.rank_memory),
         )
 
     @property
@@ -217,7 +217,20 @@ class Engine:
         self.scheduler.add_request(req)
 
     def step(self) -> list[Req]:
-        return self.scheduler.step()
+        try:
+            return self.scheduler.step()
+        except Exception as err:
+            broadcaster = self.leader.broadcaster if self.leader is not None else None
+            if broadcaster is not None and broadcaster.in_flight:
+                # the other ranks are inside a forward rank 0 did not finish: they can no
+                # longer be told apart from the next one, so the replica stops here
+                self.leader.fail(f"rank 0 failed inside a forward: {type(err).__name__}: {err}")
+            raise
+
+    def shutdown(self) -> None:
+        """Stop the other ranks of a multi-rank replica (nothing to do on one rank)."""
+        if self.leader is not None:
+            self.leader.shutdown()
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()

@@ -30,6 +30,9 @@ class DraftBatch:
     target_hidden: torch.Tensor  # [T, D] the target's captured hidden state of each row
     gather_rows: list[int]  # [bs] row (within the request) to draft from
     propose: list[bool]  # [bs] False: only fill the draft's cache (a prefill chunk mid-prompt)
+    # which rows of the target's latest output `target_hidden` holds (None: all of them), so
+    # the other ranks of a replica can take them from their own copy
+    target_rows: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:
@@ -74,4 +77,5 @@ class DraftBatch:
             self.target_hidden[kept],
             [g - k for g, k in zip(self.gather_rows, skip)],
             self.propose,
+            kept if self.target_rows is None else self.target_rows[kept],
         )
