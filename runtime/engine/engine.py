@@ -224,7 +224,7 @@ class Engine:
             if broadcaster is not None and broadcaster.in_flight:
                 # the other ranks are inside a forward rank 0 did not finish: they can no
                 # longer be told apart from the next one, so the replica stops here
-                self.leader.fail(f"rank 0 failed inside a forward: {type(err).__name__}: {err}")
+                self.leader.fail_in_forward(err)
             raise
 
     def shutdown(self) -> None:

@@ -22,6 +22,7 @@ import os
 import resource
 import socket
 import sys
+import time
 import traceback
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -217,15 +218,27 @@ class ReplicaLeader:
     def fail(self, message: str) -> None:
         _exit_replica(0, message, self.children.values())
 
+    def fail_in_forward(self, err: BaseException) -> None:
+        """Rank 0's forward raised after the others had started it. A collective error
+        usually means another rank died or hung: give the watchdog the time it needs to
+        name it (it exits the process), then blame rank 0 itself."""
+        deadline = time.monotonic() + self.config.rank_heartbeat_timeout + 2.0
+        while time.monotonic() < deadline:
+            for rank, proc in self.children.items():
+                if proc.exitcode is not None:
+                    self.fail(f"rank {rank} (pid {proc.pid}) {describe_exit(proc.exitcode)}")
+            time.sleep(0.1)
+        self.fail(f"rank 0 failed inside a forward: {type(err).__name__}: {err}")
+
     def shutdown(self) -> None:
         """Tell the other ranks to stop and wait for them (a clean exit, code 0)."""
         if self._stopped:
             return
         self._stopped = True
         self.watchdog.stop()
-        if self.broadcaster is None or not self.serving:
-            # still starting: the others are not listening yet (remote ones notice rank 0
-            # is gone through their LeaderWatch)
+        if self.broadcaster is None or not self.serving or self.broadcaster.in_flight:
+            # still starting, or stuck in a forward: the others are not listening (remote
+            # ones notice rank 0 is gone through their LeaderWatch)
             for proc in self.children.values():
                 proc.kill()
         else:

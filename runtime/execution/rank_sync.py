@@ -118,6 +118,7 @@ class BatchBroadcaster:
         self.in_flight = False
 
     def commit(self, role: str, req_pool_indices, num_accepted) -> None:
+        self.in_flight = True  # a failed send leaves the ranks out of step too
         self.channel.send(
             CommitMessage(
                 role,
@@ -125,6 +126,7 @@ class BatchBroadcaster:
                 torch.as_tensor(num_accepted).cpu(),
             )
         )
+        self.in_flight = False
 
     def stop(self, reason: str = "shutdown") -> None:
         self.channel.send(StopMessage(reason))
