@@ -31,8 +31,9 @@ def build(args: ServerArgs):
     metrics = None
     if args.enable_metrics:
         from runtime.server.metrics import ServerMetrics
+        from runtime.server.state import public_name
 
-        metrics = ServerMetrics(args.served_model_name or engine.model_path)
+        metrics = ServerMetrics(args.served_model_name or public_name(engine.model_path))
     async_engine = AsyncEngine(engine, on_step=metrics.observe_step if metrics else None)
     return create_app(async_engine, args, metrics), engine
 

@@ -4,31 +4,33 @@
 # NEXTN and ours vs HF transformers `generate`, in one run. Prompts are the openings of the
 # Python files the default model held out (its domain, not its training data).
 #
-#   bash scripts/run_benchmarks.sh [OUT_DIR]        # ~15 min on 2 CPU cores
+#   bash scripts/run_benchmarks.sh [OUT_DIR]        # or `make bench`; ~15 min on 2 CPU cores
 #
 # Every printed table and ratio goes to OUT_DIR/*.log, the JSONL records to OUT_DIR/*.jsonl.
-# Extra flags for every script can be given in BENCH_FLAGS (default: fp32, one thread, no progress bars).
+# Extra flags for every script can be given in BENCH_FLAGS (default: fp32, one thread, no progress bars);
+# PYTHON picks the interpreter (default: python).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 out=${1:-bench_results}
 flags=${BENCH_FLAGS:---dtype float32 --threads 1 --disable-tqdm}
+python=${PYTHON:-python}
 mkdir -p "$out"
 
-python scripts/make_code_prompts.py --num-prompts 64 --prompt-chars 1200 -o "$out/prompts.jsonl"
+"$python" -m scripts.make_code_prompts --num-prompts 64 --prompt-chars 1200 -o "$out/prompts.jsonl"
 
 # shellcheck disable=SC2086  # $flags is a list of flags
-python scripts/bench_one_batch.py $flags --compare --hf-baseline --profile-overhead \
+"$python" -m scripts.bench_one_batch $flags --compare --hf-baseline --profile-overhead \
     --batch-size 1 4 16 --input-len 128 --output-len 64 --dataset-path "$out/prompts.jsonl" \
     --result-filename "$out/one_batch.jsonl" --plot "$out/one_batch.png" 2>&1 |
     tee "$out/one_batch.log"
 
 # shellcheck disable=SC2086
-python scripts/bench_offline_throughput.py $flags --compare --hf-baseline \
+"$python" -m scripts.bench_offline_throughput $flags --compare --hf-baseline \
     --num-prompts 64 --dataset-path "$out/prompts.jsonl" --random-output-len 64 \
     --result-filename "$out/offline.jsonl" 2>&1 | tee "$out/offline.log"
 
 # shellcheck disable=SC2086
-python scripts/bench_serving.py $flags --launch-server --compare --backend sglang \
+"$python" -m scripts.bench_serving $flags --launch-server --compare --backend sglang \
     --num-prompts 64 --dataset-path "$out/prompts.jsonl" --random-output-len 64 \
     --request-rate inf --output-file "$out/serving.jsonl" 2>&1 | tee "$out/serving.log"

@@ -81,6 +81,9 @@ class EngineConfig:
     speculative_num_steps: int | None = setting(None, "draft steps per round (default 3)")
     speculative_eagle_topk: int | None = setting(None, "1 (chain drafting)")
     speculative_num_draft_tokens: int | None = setting(None, "verify width (steps + 1)")
+    constrained_json_disable_any_whitespace: bool = setting(
+        False, "structured JSON output in compact layout (no free whitespace between tokens)"
+    )
     tp_size: int = setting(
         1, "tensor-parallel ranks: attention heads, vocabulary and dense MLPs split", "--tp"
     )

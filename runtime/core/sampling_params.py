@@ -1,5 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Per-request sampling parameters, with SGLang's names and defaults."""
+"""Per-request sampling parameters, with SGLang's names and defaults (SGLang's
+`sampling/sampling_params.py`).
+
+Every field of SGLang's `SamplingParams` is accepted: those this runtime implements are
+fields here; the rest (`UNSUPPORTED_DEFAULTS`) are accepted at their default value (clients
+such as SGLang's frontend and sglang-router send them filled in) and refused with a 400
+naming the field otherwise. As in SGLang, a null stands for the default, and an empty
+grammar or stop list for none.
+"""
 
 from __future__ import annotations
 
@@ -7,10 +15,24 @@ from dataclasses import asdict, dataclass, field, fields
 
 from runtime.core.errors import InvalidRequestError
 
+# SGLang sampling parameters this runtime does not implement, with the values that mean
+# "not used" (sent that way they are accepted and ignored; anything else is a 400).
+UNSUPPORTED_DEFAULTS: dict[str, tuple] = {
+    "stop_regex": (None, "", []),
+    "structural_tag": (None, ""),
+    "beam_width": (None, 1),
+    "logit_bias": (None, {}),
+    "stream_interval": (None,),
+    "custom_params": (None, {}),
+    "watermark": (None, {}),
+    "ebnf_full_assistant": (None, False),
+}
+GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf")
+
 
 @dataclass
 class SamplingParams:
-    max_new_tokens: int = 128
+    max_new_tokens: int | None = 128  # None: whatever the context leaves (resolved by Engine)
     min_new_tokens: int = 0
     temperature: float = 1.0
     top_p: float = 1.0
@@ -27,6 +49,11 @@ class SamplingParams:
     n: int = 1
     sampling_seed: int | None = None
     no_stop_trim: bool = False
+    # structured output (at most one): a JSON schema (text), a regular expression, an EBNF
+    # grammar (xgrammar's dialect, as in SGLang)
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
     extra: dict = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -40,18 +67,41 @@ class SamplingParams:
                 f"sampling_params must be an object, got {type(params).__name__}"
             )
         known = {f.name for f in fields(cls)} - {"extra"}
-        unknown = sorted(set(params) - known)
+        unknown = sorted(set(params) - known - set(UNSUPPORTED_DEFAULTS))
         if unknown:
             raise InvalidRequestError(
                 f"unknown sampling parameter(s) {unknown}; known: {sorted(known)}"
             )
-        out = cls(**{k: v for k, v in params.items() if k in known})
+        for name, defaults in UNSUPPORTED_DEFAULTS.items():
+            if name in params and not _is_one_of(params[name], defaults):
+                raise InvalidRequestError(
+                    f"sampling parameter '{name}' is not supported by this server "
+                    f"(send it unset or as {defaults[0]!r})"
+                )
+        # null = the default (SGLang's `SamplingParams.__post_init__`), except for
+        # max_new_tokens where it means "as many as the context leaves" (`Engine` resolves it)
+        out = cls(
+            **{
+                k: v
+                for k, v in params.items()
+                if k in known and (v is not None or k == "max_new_tokens")
+            }
+        )
         out.normalize()
         return out
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def grammar(self) -> tuple[str, str] | None:
+        """(kind, source) of the structured-output constraint, e.g. ("regex", "[0-9]+")."""
+        for name in GRAMMAR_FIELDS:
+            value = getattr(self, name)
+            if value is not None:
+                return name, value
+        return None
 
     @property
     def stop_strings(self) -> list[str]:
@@ -68,6 +118,8 @@ class SamplingParams:
 
         for name in ("max_new_tokens", "min_new_tokens", "top_k", "n"):
             value = getattr(self, name)
+            if name == "max_new_tokens" and value is None:
+                continue
             need(
                 isinstance(value, int) and not isinstance(value, bool),
                 f"{name} must be an integer, got {value!r}",
@@ -86,7 +138,10 @@ class SamplingParams:
                 f"{name} must be a number, got {value!r}",
             )
             setattr(self, name, float(value))
-        need(self.max_new_tokens >= 0, f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
+        need(
+            self.max_new_tokens is None or self.max_new_tokens >= 0,
+            f"max_new_tokens must be >= 0, got {self.max_new_tokens}",
+        )
         need(0 <= self.min_new_tokens, f"min_new_tokens must be >= 0, got {self.min_new_tokens}")
         need(self.temperature >= 0.0, f"temperature must be >= 0, got {self.temperature}")
         need(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
@@ -122,11 +177,28 @@ class SamplingParams:
             "stop_token_ids must be a list of integers",
         )
         need(
-            self.sampling_seed is None or isinstance(self.sampling_seed, int),
+            self.sampling_seed is None
+            or (isinstance(self.sampling_seed, int) and not isinstance(self.sampling_seed, bool)),
             f"sampling_seed must be an integer, got {self.sampling_seed!r}",
         )
+        for name in GRAMMAR_FIELDS:
+            value = getattr(self, name)
+            need(value is None or isinstance(value, str), f"{name} must be a string")
+            if value == "":
+                setattr(self, name, None)  # empty = unset, as in SGLang
+        chosen = [name for name in GRAMMAR_FIELDS if getattr(self, name) is not None]
+        need(len(chosen) <= 1, f"set at most one of json_schema, regex and ebnf, got {chosen}")
+        if self.stop_token_ids == []:
+            self.stop_token_ids = None
 
     def to_dict(self) -> dict:
         out = asdict(self)
         out.pop("extra")
         return out
+
+
+def _is_one_of(value, defaults: tuple) -> bool:
+    """`value == d` for some d, without True == 1 (a bool only matches a bool)."""
+    return any(type(value) is type(d) and value == d for d in defaults if d is not None) or (
+        value is None and None in defaults
+    )

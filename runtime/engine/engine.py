@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import threading
 import uuid
 
 import torch
@@ -97,6 +98,8 @@ class Engine:
         )
         self.info = self._info()
         self._ids = itertools.count()
+        self._grammar_backend = None
+        self._grammar_lock = threading.Lock()
         logger.info(
             "KV cache: %d token slots in pages of %d, %d request slots, %.1f MiB; speculative: %s",
             self.info.max_total_tokens,
@@ -151,6 +154,33 @@ class Engine:
             )
         return ids
 
+    def token_texts(self, token_ids) -> list[str]:
+        """The text of each token alone, special tokens included (SGLang's text slot of a
+        logprob entry: `tokenizer.batch_decode([[id] for id in ids])`)."""
+        if self.tokenizer is None:
+            return [None] * len(token_ids)
+        return self.tokenizer.batch_decode([[t] for t in token_ids])
+
+    def grammar_backend(self):
+        """xgrammar over the served tokenizer, built on the first structured-output request."""
+        if self._grammar_backend is None:
+            if self.tokenizer is None:
+                raise InvalidRequestError(
+                    "structured output (json_schema, regex, ebnf) needs a tokenizer; "
+                    "this server runs with --skip-tokenizer-init"
+                )
+            from runtime.constrained.backend import GrammarBackend
+
+            with self._grammar_lock:
+                if self._grammar_backend is None:
+                    self._grammar_backend = GrammarBackend(
+                        self.tokenizer,
+                        self.model_config.vocab_size,
+                        self.eos_ids,
+                        any_whitespace=not self.config.constrained_json_disable_any_whitespace,
+                    )
+        return self._grammar_backend
+
     def make_request(
         self,
         input_ids: list[int],
@@ -159,10 +189,17 @@ class Engine:
         return_logprob: bool = False,
         top_logprobs_num: int = 0,
         logprob_start_len: int = -1,
+        token_ids_logprob: list[int] | None = None,
+        return_text_in_logprobs: bool = False,
     ) -> Req:
-        """Validate and build one request (not queued yet)."""
+        """Validate and build one request (not queued yet). A request with a grammar
+        compiles it here (cached per schema): call this off the event loop."""
         params = SamplingParams.from_dict(sampling_params)
         ids = self.check_input_ids(input_ids)
+        if params.max_new_tokens is None:  # SGLang: as many as the context leaves
+            params = dataclasses.replace(
+                params, max_new_tokens=max(0, self.context_length - len(ids))
+            )
         if len(ids) + params.max_new_tokens > self.context_length:
             raise InvalidRequestError(
                 f"prompt ({len(ids)} tokens) + max_new_tokens ({params.max_new_tokens}) "
@@ -174,23 +211,37 @@ class Engine:
             raise InvalidRequestError(
                 f"top_logprobs_num must be in [0, {self.model_config.vocab_size}]"
             )
-        if logprob_start_len >= len(ids):
+        if logprob_start_len > len(ids):
             raise InvalidRequestError(
-                f"logprob_start_len {logprob_start_len} must be < the prompt length {len(ids)}"
+                f"logprob_start_len {logprob_start_len} must be <= the prompt length {len(ids)}"
             )
+        vocab = self.model_config.vocab_size
+        if token_ids_logprob is not None and (
+            not isinstance(token_ids_logprob, list)
+            or any(isinstance(t, bool) or not isinstance(t, int) for t in token_ids_logprob)
+            or any(not 0 <= t < vocab for t in token_ids_logprob)
+        ):
+            raise InvalidRequestError(f"token_ids_logprob must be token ids in [0, {vocab})")
+        grammar = None
+        if params.grammar is not None:
+            grammar = self.grammar_backend().request_grammar(*params.grammar)
         detok = None
         if self.tokenizer is not None:
             detok = IncrementalDetokenizer(
                 self.tokenizer, params.skip_special_tokens, params.spaces_between_special_tokens
             )
+        return_logprob = return_logprob or top_logprobs_num > 0 or token_ids_logprob is not None
         return Req(
             rid or self._new_rid(),
             list(ids),
             params,
-            return_logprob=return_logprob or top_logprobs_num > 0,
+            return_logprob=return_logprob,
             top_logprobs_num=top_logprobs_num,
             logprob_start_len=logprob_start_len if return_logprob else -1,
+            token_ids_logprob=None if token_ids_logprob is None else list(token_ids_logprob),
+            return_text_in_logprobs=bool(return_text_in_logprobs),
             detokenizer=detok,
+            grammar=grammar,
         )
 
     def make_requests(
@@ -211,10 +262,15 @@ class Engine:
         return f"{uuid.uuid4().hex[:12]}-{next(self._ids)}"
 
     def add_request(self, req: Req) -> None:
-        if req.sampling_params.max_new_tokens == 0:
-            req.finish(FinishReason("length", length=0))
+        if req.sampling_params.max_new_tokens == 0 and not self._scores_prompt(req):
+            req.finish(FinishReason("length", length=0))  # nothing to compute
             return
         self.scheduler.add_request(req)
+
+    @staticmethod
+    def _scores_prompt(req: Req) -> bool:
+        """The request wants logprobs of prompt tokens: its prefill must run."""
+        return req.return_logprob and 0 <= req.logprob_start_len < len(req.prompt_ids)
 
     def step(self) -> list[Req]:
         try:
@@ -258,6 +314,8 @@ class Engine:
         return_logprob: bool = False,
         top_logprobs_num: int = 0,
         logprob_start_len: int = -1,
+        token_ids_logprob: list[int] | None = None,
+        return_text_in_logprobs: bool = False,
     ) -> dict | list:
         """Blocking generation; one result dict per prompt (a list of `n` per prompt if n > 1)."""
         if (prompt is None) == (input_ids is None):
@@ -278,6 +336,8 @@ class Engine:
             return_logprob=return_logprob,
             top_logprobs_num=top_logprobs_num,
             logprob_start_len=logprob_start_len,
+            token_ids_logprob=token_ids_logprob,
+            return_text_in_logprobs=return_text_in_logprobs,
         )
         groups = [self.make_requests(ids, p, **options) for ids, p in zip(prompts, params)]
         for req in itertools.chain.from_iterable(groups):
@@ -296,7 +356,7 @@ class Engine:
 
     def result(self, req: Req) -> dict:
         """SGLang's `/generate` shape of `req`: text, output_ids, meta_info."""
-        return render_generate(self.request_result(req))
+        return render_generate(self.request_result(req), self.token_texts)
 
     def stats(self) -> EngineStats:
         """Load and speculative counters right now. Call on the engine's thread; other

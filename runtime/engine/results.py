@@ -34,12 +34,22 @@ def request_result(req: Req, num_draft_tokens: int | None, with_text: bool) -> R
     )
 
 
+def _lists(rows) -> tuple:
+    return tuple(None if row is None else tuple(row) for row in rows)
+
+
 def _logprobs(req: Req) -> Logprobs:
+    ids = req.token_ids_logprob
     return Logprobs(
         input_token_logprobs=tuple(req.input_token_logprobs),
         output_token_logprobs=tuple(req.output_token_logprobs),
-        output_top_logprobs=tuple(tuple(top) for top in req.output_top_logprobs),
+        output_top_logprobs=_lists(req.output_top_logprobs),
         top_logprobs_num=req.top_logprobs_num,
+        input_top_logprobs=_lists(req.input_top_logprobs),
+        token_ids_logprob=None if ids is None else tuple(ids),
+        input_token_ids_logprobs=_lists(req.input_token_ids_logprobs),
+        output_token_ids_logprobs=_lists(req.output_token_ids_logprobs),
+        with_text=req.return_text_in_logprobs,
     )
 
 

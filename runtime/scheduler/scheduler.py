@@ -179,11 +179,18 @@ class Scheduler:
                 req.input_token_logprobs += [
                     (lp, req.prompt_ids[pos]) for pos, lp in out.input_logprobs
                 ]
+                req.input_top_logprobs += out.input_top_logprobs or []
+                req.input_token_ids_logprobs += out.input_token_ids_logprobs or []
             req.num_cached = chunk.end
             if chunk.end >= len(req.prompt_ids):
                 req.input_logprobs_done = True
             self._store_speculation(req, out)
-            if out.tokens:
+            if chunk.completes and req.sampling_params.max_new_tokens == 0:
+                # a scoring request (prompt logprobs only): its prefill is all it wanted
+                req.finish(FinishReason("length", length=0))
+                self._release(req)
+                touched.append(req)
+            elif out.tokens:
                 self._append(req, out)
                 touched.append(req)
         return touched
@@ -208,6 +215,8 @@ class Scheduler:
                 req.output_token_logprobs.append((out.logprobs[i], token))
                 if out.top_logprobs is not None:
                     req.output_top_logprobs.append(out.top_logprobs[i])
+            if out.token_ids_logprobs is not None:
+                req.output_token_ids_logprobs.append(out.token_ids_logprobs[i])
             if req.append_token(token, self.eos_ids):
                 break
         req.num_cached = req.seq_len - 1  # the newest token is not in the cache yet

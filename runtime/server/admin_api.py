@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Admin routes, SGLang's names and answers: `/health`, `/health_generate`,
-`/get_server_info` (alias `/server_info`), `/get_model_info`, `/flush_cache`,
+`/server_info` (alias `/get_server_info`), `/model_info` (alias `/get_model_info`),
+`/flush_cache`,
 `/abort_request` and Prometheus `/metrics`. Load figures come from the engine's published
 `EngineStats` snapshot; nothing here touches the scheduler."""
 
@@ -50,20 +51,24 @@ async def health_generate(state: State):
 @router.get("/get_server_info")
 @router.get("/server_info")
 async def server_info(state: State):
+    info = {**state.args.to_json(), **state.engine.info.to_json()}
+    for key in ("model_path", "tokenizer_path"):  # names, not filesystem paths
+        info[key] = state.public_path(info.get(key))
     return {
-        **state.args.to_json(),
-        **state.engine.info.to_json(),
+        **info,
+        "vocab_size": state.core.model_config.vocab_size,
         "internal_states": [state.engine.stats.to_json()],
         "version": package_version(),
     }
 
 
 @router.get("/get_model_info")
+@router.get("/model_info")
 async def model_info(state: State):
-    model_path = state.engine.info.model_path
+    tokenizer_path = state.args.tokenizer_path or state.engine.info.model_path
     return {
-        "model_path": model_path,
-        "tokenizer_path": state.args.tokenizer_path or model_path,
+        "model_path": state.model_name,
+        "tokenizer_path": state.public_path(tokenizer_path),
         "is_generation": True,
         "served_model_name": state.model_name,
         "architectures": list(state.core.model_config.architectures),

@@ -15,7 +15,7 @@ from runtime.engine.async_engine import AsyncEngine
 from runtime.server import admin_api, native_api, openai_api
 from runtime.server.errors import install_api_key_check, install_error_handlers
 from runtime.server.metrics import ServerMetrics
-from runtime.server.state import ServerState
+from runtime.server.state import ServerState, public_name
 from runtime.server_args import ServerArgs
 
 
@@ -31,7 +31,7 @@ def create_app(
         engine.engine.shutdown()
 
     app = FastAPI(title="nextn-runtime", version=package_version(), lifespan=lifespan)
-    model_name = args.served_model_name or engine.info.model_path
+    model_name = args.served_model_name or public_name(engine.info.model_path)
     app.state.server = ServerState(engine, args, metrics, model_name)
     install_api_key_check(app, args.api_key)
     install_error_handlers(app)

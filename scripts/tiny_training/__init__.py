@@ -1,22 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Model families of scripts/train_tiny_model.py. Each module exposes the same names: its
-flags (`add_arguments`), `model_config`, `TinyModel` (trunk + MTP in training form),
-`make_balancer`, the released checkpoint names (`released_state_dict`,
-`load_released_state_`), the transformers class for parity (`hf_causal_lm`) and its
-model-card lines."""
-
-from __future__ import annotations
-
-from types import ModuleType
-
-from tiny_training import deepseek_v4, qwen4_exp
-
-FAMILIES: dict[str, ModuleType] = {family.NAME: family for family in (deepseek_v4, qwen4_exp)}
-
-
-def family_of_config(config: dict) -> ModuleType:
-    """The family that wrote a checkpoint, from its config.json `model_type`."""
-    for family in FAMILIES.values():
-        if config.get("model_type") == family.MODEL_TYPE:
-            return family
-    raise ValueError(f"no training family for model_type {config.get('model_type')!r}")
+"""The tiny-model trainer behind `python -m scripts.train_tiny_model`, one module per stage:
+`corpus` (the standard library, its train / held-out split and the BPE tokenizer),
+`families` (one module per model family: training-form model, released checkpoint names,
+router balancing, model-card lines), `loop` (losses, optimiser, schedule, the training loop),
+`export` (the checkpoint directory), `evaluation` (held-out losses, the runtime's NEXTN
+speed and acceptance, transformers parity) and `model_card` (the checkpoint's README)."""

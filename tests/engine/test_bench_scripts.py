@@ -20,17 +20,15 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
+from scripts import REPO_ROOT
+from scripts.bench import datasets
+from scripts.tiny_training.corpus import split_by_file, stdlib_sources
 from tests.tiny_checkpoints import build_tiny_v4_mtp_checkpoint, save_char_tokenizer
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
-SCRIPTS = REPO_ROOT / "scripts"
 
 
 def script(name: str):
-    """Import `scripts/<name>.py` as a module (scripts/ is not a package)."""
-    if str(SCRIPTS) not in sys.path:
-        sys.path.insert(0, str(SCRIPTS))
-    return importlib.import_module(name)
+    """The tool `python -m scripts.<name>` runs, as a module."""
+    return importlib.import_module(f"scripts.{name}")
 
 
 @pytest.fixture(scope="module")
@@ -197,8 +195,8 @@ def test_one_batch_prompt_file(ckpt, tmp_path, capsys):
     data = tmp_path / "prompts.jsonl"
     data.write_text('{"prompt": "def fib(n):"}\nhi\nreturn a + b\n')
     bench = script("bench_one_batch")
-    file_prompts = bench.tokenized_prompt_file(str(data), str(ckpt))
-    batch = bench.batch_prompts(0, 3, 6, 97, file_prompts)
+    file_prompts = datasets.tokenized_prompt_file(str(data), str(ckpt))
+    batch = datasets.batch_prompts(0, 3, 6, 97, file_prompts)
     texts = {"def fi", "return"}  # "hi" is shorter than input-len, so never used
     tokenizer = AutoTokenizer.from_pretrained(str(ckpt))
     decoded = {tokenizer.decode(ids) for ids in batch}
@@ -217,14 +215,18 @@ def test_one_batch_prompt_file(ckpt, tmp_path, capsys):
     assert "no prompt of --dataset-path has 99 tokens" in capsys.readouterr().err
 
 
-def test_code_prompts_come_from_held_out_files():
-    make = script("make_code_prompts")
-    train, held = make.split_by_file(make.stdlib_sources(), 20)
-    prompts = make.code_prompts(8, 400, 20)
+def test_code_prompts_come_from_held_out_files(tmp_path):
+    train, held = split_by_file(stdlib_sources(), 20)
+    prompts = datasets.code_prompts(8, 400, 20)
     assert len(prompts) == 8 and all(0 < len(p) <= 400 for p in prompts)
     held_texts = [text for _, text in held]
     assert all(any(text.startswith(p) for text in held_texts) for p in prompts)
     assert not any(text.startswith(p) for p in prompts for _, text in train)
+    # the tool as a user runs it, from the repository root: the same prompts, one a line
+    out = tmp_path / "prompts.jsonl"
+    command = ["-m", "scripts.make_code_prompts", "--num-prompts", "8", "--prompt-chars", "400"]
+    subprocess.run([sys.executable, *command, "-o", str(out)], cwd=REPO_ROOT, check=True)
+    assert [r["prompt"] for r in read_jsonl(out)] == prompts
 
 
 def test_bad_flags_fail_before_loading(capsys):
@@ -466,12 +468,16 @@ def check_serving(text: str, record: dict, num: int, output_len: int) -> dict[st
         ("sglang-oai-chat", []),
     ],
 )
-def test_serving_against_a_running_server(nextn_server, backend, extra, tmp_path, capsys):
+def test_serving_against_a_running_server(nextn_server, ckpt, backend, extra, tmp_path, capsys):
     jsonl = tmp_path / "serving.jsonl"
     script("bench_serving").main(
         [
             "--base-url",
             nextn_server,
+            # the server names its model rather than showing its path: the client brings
+            # the tokenizer, as with SGLang's bench_serving
+            "--tokenizer",
+            str(ckpt),
             "--backend",
             backend,
             "--num-prompts",

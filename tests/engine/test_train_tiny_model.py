@@ -1,24 +1,26 @@
 # SPDX-License-Identifier: Apache-2.0
-"""scripts/train_tiny_model.py, run for a few steps with a tiny shape on a slice of the
-stdlib, for each family (DeepSeek-V4, Qwen4Exp): its checkpoint has the released key set,
-the runtime serves it (plain and NEXTN), transformers loads it, and the MTP it trains is
-exactly the runtime's draft."""
+"""The tiny-model trainer (`python -m scripts.train_tiny_model`), run for a few steps with
+a tiny shape on a slice of the stdlib, for each family (DeepSeek-V4, Qwen4Exp): its
+checkpoint has the released key set, the runtime serves it (plain and NEXTN), transformers
+loads it, and the MTP it trains is exactly the runtime's draft."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from runtime import Engine
+from scripts import train_tiny_model
+from scripts.tiny_training.corpus import TOKEN_IDS
+from scripts.tiny_training.evaluation import transformers_parity
+from scripts.tiny_training.export import load_checkpoint
+from scripts.tiny_training.families import qwen4_exp
 from tests.runners import load_runner
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "train_tiny_model.py"
 TINY_SHAPE = {
     "corpus-limit-files": 24, "vocab-size": 384, "hidden-size": 64, "num-layers": 3,
     "num-heads": 2, "head-dim": 32, "rope-dim": 16, "q-lora-rank": 32, "o-groups": 2,
@@ -40,36 +42,22 @@ GREEDY = {"temperature": 0, "max_new_tokens": 12}
 PROMPT = "import os\n\n\ndef main(argv):\n"
 
 
-def load_script():
-    """scripts/ is not a package: import the script from its path."""
-    spec = importlib.util.spec_from_file_location("train_tiny_model", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up here
-    spec.loader.exec_module(module)
-    return module
-
-
-@pytest.fixture(scope="module")
-def script():
-    return load_script()
-
-
-def train_tiny(script, root: Path, shape: dict) -> Path:
+def train_tiny(root: Path, shape: dict) -> Path:
     out = root / "model"
     # one torch thread: main() sets the count for the whole test process (shared 2 cores)
     flags = {**shape, "output-dir": out, "work-dir": root / "work", "threads": 1}
-    script.main([*(f"--{k}={v}" for k, v in flags.items()), "--skip-runtime-eval"])
+    train_tiny_model.main([*(f"--{k}={v}" for k, v in flags.items()), "--skip-runtime-eval"])
     return out
 
 
 @pytest.fixture(scope="module")
-def trained(script, tmp_path_factory):
-    return train_tiny(script, tmp_path_factory.mktemp("tiny_train"), TINY_SHAPE)
+def trained(tmp_path_factory):
+    return train_tiny(tmp_path_factory.mktemp("tiny_train"), TINY_SHAPE)
 
 
 @pytest.fixture(scope="module")
-def qwen_trained(script, tmp_path_factory):
-    return train_tiny(script, tmp_path_factory.mktemp("tiny_train_qwen"), QWEN_TINY_SHAPE)
+def qwen_trained(tmp_path_factory):
+    return train_tiny(tmp_path_factory.mktemp("tiny_train_qwen"), QWEN_TINY_SHAPE)
 
 
 @pytest.fixture(params=["trained", "qwen_trained"])
@@ -145,12 +133,12 @@ def test_engine_serves_it_plain_and_with_nextn(any_trained):
     assert out["meta_info"]["spec_verify_ct"] > 0
 
 
-def test_transformers_loads_it_and_agrees_with_the_engine(script, any_trained):
-    parity = script.transformers_parity(any_trained, [PROMPT], new_tokens=8)
+def test_transformers_loads_it_and_agrees_with_the_engine(any_trained):
+    parity = transformers_parity(any_trained, [PROMPT], new_tokens=8)
     assert parity["equal"] == 1
 
 
-def assert_runtime_equals_training_form(script, checkpoint: Path, draft_cls, seqs) -> None:
+def assert_runtime_equals_training_form(checkpoint: Path, draft_cls, seqs) -> None:
     """The training-form trunk and MTP on the saved weights against the runtime's paged
     target and draft: the last-row logits of a prompt of each length in `seqs`."""
     from runtime.cache import PagedTokenAllocator, ReqToTokenPool, SlotTable
@@ -158,7 +146,7 @@ def assert_runtime_equals_training_form(script, checkpoint: Path, draft_cls, seq
     from runtime.core.forward_mode import CaptureHiddenMode, ForwardMode
     from runtime.execution.model_runner import ModelInput
 
-    model = script.load_checkpoint(checkpoint).eval()
+    model = load_checkpoint(checkpoint).eval()
     config = ModelConfig.from_path(checkpoint, "float32")
     generator = torch.Generator().manual_seed(1)
     tokens = torch.randint(3, config.vocab_size, (1, 42), generator=generator)
@@ -201,13 +189,13 @@ def assert_runtime_equals_training_form(script, checkpoint: Path, draft_cls, seq
         )
 
 
-def test_trained_mtp_is_the_runtime_draft(script, trained):
+def test_trained_mtp_is_the_runtime_draft(trained):
     """The training-form MTP (transformers block + h/e projections) and the runtime's paged
     draft give the same logits on the saved weights, as do the two trunks; the last rows
     lie past the CSA (top-k active) and HCA boundaries."""
     from runtime.models.deepseek_v4_mtp import DeepseekV4ForCausalLMNextN
 
-    assert_runtime_equals_training_form(script, trained, DeepseekV4ForCausalLMNextN, (40, 23))
+    assert_runtime_equals_training_form(trained, DeepseekV4ForCausalLMNextN, (40, 23))
 
 
 # ---------------------------------------------------------------------------------------
@@ -261,16 +249,16 @@ def test_qwen_released_keys_load_without_gaps_or_leftovers(qwen_trained):
     }
 
 
-def test_qwen_trained_mtp_is_the_runtime_draft(script, qwen_trained):
+def test_qwen_trained_mtp_is_the_runtime_draft(qwen_trained):
     """The training-form trunk and MTP (transformers modules, the vectorised QSA indexer)
     and the runtime's paged target and draft give the same logits on the saved weights,
     with QSA keeping every block (11 rows) and selecting among them (40 rows)."""
     from runtime.models.qwen4_exp_mtp import Qwen4ExpMTP
 
-    assert_runtime_equals_training_form(script, qwen_trained, Qwen4ExpMTP, (40, 11))
+    assert_runtime_equals_training_form(qwen_trained, Qwen4ExpMTP, (40, 11))
 
 
-def test_vectorised_qsa_indexer_selects_as_transformers_does(script):
+def test_vectorised_qsa_indexer_selects_as_transformers_does():
     """The training-form indexer (one pass over all queries) against transformers' own
     (a Python loop over queries), with selection active (37 rows, budget 16)."""
     from transformers.models.qwen4_exp.modeling_qwen4_exp import (
@@ -278,9 +266,9 @@ def test_vectorised_qsa_indexer_selects_as_transformers_does(script):
         Qwen4ExpTextRotaryEmbedding,
     )
 
-    qwen = script.FAMILIES["qwen4_exp"]
-    args = script.parse_args([f"--{k}={v}" for k, v in QWEN_TINY_SHAPE.items()])
-    config = qwen.hf_config(qwen.model_config(args, 384, script.TOKEN_IDS))
+    qwen = qwen4_exp
+    args = train_tiny_model.parse_args([f"--{k}={v}" for k, v in QWEN_TINY_SHAPE.items()])
+    config = qwen.hf_config(qwen.model_config(args, 384, TOKEN_IDS))
     torch.manual_seed(0)
     indexer = Qwen4ExpTextQSAIndexer(config, layer_idx=3)
     for param in indexer.parameters():

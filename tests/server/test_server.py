@@ -426,7 +426,6 @@ BAD = [
         400,
         "exceeds the context length",
     ),
-    ("/v1/completions", {"model": "gpt-9", "prompt": "x"}, 400, "model 'gpt-9' is not served"),
     ("/v1/chat/completions", {"model": "tiny-v4", "messages": []}, 400, "messages"),
     (
         "/v1/chat/completions",

@@ -2,7 +2,7 @@
 """The package layering of `runtime/`: a package imports only itself and the packages
 below it, and no two modules import each other in a cycle.
 
-The order is written once, here and in docs/architecture.md. Imports inside functions and
+The order is written once, here (docs/architecture.md explains it). Imports inside functions and
 under `TYPE_CHECKING` count too: a lazy import is still a dependency.
 """
 
@@ -16,6 +16,7 @@ RUNTIME = Path(__file__).resolve().parents[2] / "runtime"
 # Bottom to top: each entry may import every entry before it (and itself).
 LAYERS = (
     "core",  # plain shared types: forward modes and context, sampling params, requests, errors
+    "constrained",  # structured output on xgrammar: grammars, matchers, token bitmasks
     "configs",
     "distributed",
     "kernels",

@@ -1,8 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The Qwen4Exp family of scripts/train_tiny_model.py: a tiny Qwen4Exp trunk (transformers'
-modules, training mode, no cache: Gated DeltaNet and QSA attention layers, gated residual
-streams, MoE with a shared expert, PLE) and one MTP layer whose math is exactly the
-runtime's draft (runtime/models/qwen4_exp_mtp.py, research/qwen4exp.md section 5.5):
+"""The Qwen4Exp family of the tiny-model trainer (`python -m scripts.train_tiny_model`): a
+tiny Qwen4Exp trunk (transformers' modules, training mode, no cache: Gated DeltaNet and QSA
+attention layers, gated residual streams, MoE with a shared expert, PLE) and one MTP layer
+whose math is exactly the runtime's draft (runtime/models/qwen4_exp_mtp.py, after the
+released checkpoint's `mtp.*` module):
 
     u = fc_embedding(pre_fc_norm_embedding(embed(t_{i+1})))          [H]
     S = fc_hidden(pre_fc_norm_hidden(R_i)) per stream                   one norm over all n*H
@@ -249,7 +250,7 @@ class MTPLayer(nn.Module):
         hidden, eps = plus.hidden_size, plus.rms_norm_eps
         self.hc_count, self.hidden_size = plus.hc_count, hidden
         self.pre_fc_norm_embedding = Qwen4ExpTextRMSNorm(hidden, eps=eps)
-        # one norm over all n*H values, ungrouped on purpose (research/qwen4exp.md trap T2)
+        # one norm over all n*H values, not one per stream: the released weight has n*H entries
         self.pre_fc_norm_hidden = Qwen4ExpTextRMSNorm(plus.hc_count * hidden, eps=eps)
         self.fc_embedding = nn.Linear(hidden, hidden, bias=False)
         self.fc_hidden = nn.Linear(hidden, hidden, bias=False)  # shared by every stream
@@ -424,9 +425,9 @@ def card_introduction(config: dict) -> list[str]:
         "# qwen4_exp_tiny: a tiny Qwen4Exp with MTP for nextn-runtime",
         "",
         "A tiny Qwen4Exp (the architecture of Qwen3.8-Flash-Next) with one MTP layer, trained",
-        "from scratch on CPU by `scripts/train_tiny_model.py --family qwen4_exp` on the Python",
-        "standard library, so that NEXTN speculative decoding of the Qwen4Exp family can be",
-        "served and measured with drafts worth accepting. It continues Python source with",
+        "from scratch on CPU by `python -m scripts.train_tiny_model --family qwen4_exp` on the",
+        "Python standard library, so that NEXTN speculative decoding of the Qwen4Exp family",
+        "can be served and measured with drafts worth accepting. It continues Python source with",
         "Python-looking text, often repetitive (minutes of CPU training); it is not an",
         "assistant (the chat template only frames messages) and knows nothing but the",
         "standard library.",

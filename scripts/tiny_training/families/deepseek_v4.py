@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The DeepSeek-V4 family of scripts/train_tiny_model.py: a tiny DeepSeek-V4 trunk
-(transformers' modules, training mode, no cache) and one MTP layer whose math is exactly the
-runtime's draft (runtime/models/deepseek_v4_mtp.py):
+"""The DeepSeek-V4 family of the tiny-model trainer (`python -m scripts.train_tiny_model`):
+a tiny DeepSeek-V4 trunk (transformers' modules, training mode, no cache) and one MTP layer
+whose math is exactly the runtime's draft (runtime/models/deepseek_v4_mtp.py):
 
     e = enorm(embed(t_{i+1}))  (zero at position 0)
     x = h_proj(hnorm(h_i)) + e_proj(e)       h_i: trunk streams before hc_head, [hc, H]
@@ -26,11 +26,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from runtime.models.deepseek_v4 import hf_to_released_name
+from scripts import REPO_ROOT
 
 NAME = "deepseek_v4"
 MODEL_TYPE = "deepseek_v4"
 HF_CLASS_NAME = "DeepseekV4ForCausalLM"
-DEFAULT_OUTPUT = Path(__file__).resolve().parents[2] / "runtime" / "assets" / "deepseek_v4_tiny"
+DEFAULT_OUTPUT = REPO_ROOT / "runtime" / "assets" / "deepseek_v4_tiny"
 DEFAULT_WORK_DIR = Path(tempfile.gettempdir()) / "train_tiny_model"
 
 

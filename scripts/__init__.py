@@ -1,0 +1,11 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Command-line tools of nextn-runtime: the benchmarks, the benchmark prompt file and the
+tiny-model trainer. Run them from the repository root as modules, e.g.
+`python -m scripts.bench_one_batch --help`; `scripts.bench` and `scripts.tiny_training`
+hold what they share."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent

@@ -1,0 +1,144 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The command-line flags the benchmarks share, each written once.
+
+Names follow SGLang's `bench_one_batch`, `bench_offline_throughput` and `bench_serving`
+(`--dataset-name`, `--random-input-len`, `--random-range-ratio`, ...) and the server's own
+flags (`--page-size`, `--max-total-tokens`, `--chunked-prefill-size`, the speculative ones).
+Engine settings take their defaults (and, where the flag is the engine's own, their help)
+from `runtime.configs.engine_config.EngineConfig`, so a benchmark measures what `Engine()`
+and `launch_server` run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+
+from runtime.configs.engine_config import DEFAULT_MAX_RUNNING_REQUESTS, EngineConfig
+
+ENGINE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
+DEFAULT_MAX_TOTAL_TOKENS = ENGINE_DEFAULTS["max_total_tokens"]
+
+
+def new_parser(prog: str, doc: str) -> argparse.ArgumentParser:
+    """A parser whose description is the first paragraph of `doc` and whose usage line shows
+    how the tool is run (`python -m scripts.NAME`)."""
+    return argparse.ArgumentParser(
+        prog=f"python -m {prog}",
+        description=doc.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+
+
+def add_model_args(parser: argparse.ArgumentParser, steps_sweep: bool = True) -> None:
+    """--model-path, --dtype, the speculative flags, --compare, --max-running-requests,
+    --threads, --seed, --disable-tqdm."""
+    g = parser.add_argument_group("model and decoding")
+    g.add_argument(
+        "--model-path",
+        dest="model_path",
+        default=None,
+        help="checkpoint directory (default: the engine's embedded tiny model)",
+    )
+    g.add_argument(
+        "--dtype", default=ENGINE_DEFAULTS["dtype"], help="auto, float32, bfloat16 or float16"
+    )
+    g.add_argument("--speculative-algorithm", default=None, help="NEXTN (aliases MTP, EAGLE)")
+    g.add_argument(
+        "--speculative-num-steps",
+        type=int,
+        nargs="+" if steps_sweep else None,
+        default=None,
+        help="draft steps per round (default 3)"
+        + ("; several values sweep them, one run each" if steps_sweep else ""),
+    )
+    g.add_argument("--speculative-eagle-topk", type=int, default=None, help="1 (chain drafting)")
+    g.add_argument(
+        "--speculative-num-draft-tokens", type=int, default=None, help="verify width (steps + 1)"
+    )
+    g.add_argument(
+        "--compare",
+        action="store_true",
+        help="run plain decoding and NEXTN back to back and print NEXTN/plain ratios "
+        "(NEXTN is implied)",
+    )
+    g.add_argument(
+        "--max-running-requests",
+        type=int,
+        default=DEFAULT_MAX_RUNNING_REQUESTS,
+        help="request slots; the same for every variant so they compare fairly (the engine "
+        "itself defaults to fewer with NEXTN)",
+    )
+    g.add_argument(
+        "--threads",
+        type=int,
+        default=os.cpu_count() or 1,
+        help="torch threads, the same for every variant and the HF baseline (default: all cores)",
+    )
+    g.add_argument("--seed", type=int, default=1, help="seed of the random prompts")
+    g.add_argument(
+        "--disable-tqdm",
+        "--no-progress",
+        dest="disable_tqdm",
+        action="store_true",
+        help="no progress bars",
+    )
+
+
+def add_cache_args(
+    parser: argparse.ArgumentParser, *, max_total_tokens: bool = True, chunked_prefill: bool = True
+) -> None:
+    """The engine's --page-size, and optionally --max-total-tokens and --chunked-prefill-size
+    (names, defaults and help from `EngineConfig`)."""
+    names = ["page_size"]
+    names += ["max_total_tokens"] if max_total_tokens else []
+    names += ["chunked_prefill_size"] if chunked_prefill else []
+    EngineConfig.add_cli_args(parser, names=names)
+
+
+def add_dataset_args(parser: argparse.ArgumentParser, num_prompts: int) -> None:
+    """SGLang's dataset flags: random prompts or a prompt file, how many, how long."""
+    parser.add_argument(
+        "--dataset-name",
+        choices=("random", "file"),
+        default=None,
+        help="random prompts, or the prompts of --dataset-path (default: file when "
+        "--dataset-path is given)",
+    )
+    parser.add_argument(
+        "--dataset-path",
+        help='JSONL with "prompt" (and optional "output_len"), or one prompt per line',
+    )
+    parser.add_argument("--num-prompts", type=int, default=num_prompts)
+    parser.add_argument("--random-input-len", type=int, default=256)
+    parser.add_argument(
+        "--random-output-len",
+        type=int,
+        default=64,
+        help="output length of random prompts, and of file prompts without one",
+    )
+    parser.add_argument(
+        "--random-range-ratio",
+        type=float,
+        default=0.0,
+        help="lengths are uniform in [len * ratio, len] (SGLang); 1.0 = fixed lengths",
+    )
+
+
+def check_dataset_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Reject bad dataset flags (exit 2) and fill the default `--dataset-name`."""
+    if args.num_prompts < 1:
+        parser.error("--num-prompts must be >= 1")
+    if args.dataset_name is None:
+        args.dataset_name = "file" if args.dataset_path else "random"
+    if args.dataset_name == "file" and not args.dataset_path:
+        parser.error("--dataset-name file needs --dataset-path")
+
+
+def add_hf_baseline_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--hf-baseline",
+        action="store_true",
+        help="also run HF transformers generate and print ours/HF ratios",
+    )

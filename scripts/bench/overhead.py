@@ -1,0 +1,123 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Engine overhead at batch 1: the share of decode wall time spent outside the model forwards
+(scheduling, sampling, bookkeeping, detokenizing), then a cProfile of the decode loop."""
+
+from __future__ import annotations
+
+import cProfile
+import io
+import pstats
+import time
+
+from scripts.bench.datasets import batch_prompts
+from scripts.bench.report import block_header
+from scripts.bench.variants import Variant, greedy_params
+
+
+class ForwardTimer:
+    """Wraps a runner's `forward` and `build_context` (instance attributes shadow the class
+    methods, so the workers call the wrappers) and sums their wall time."""
+
+    def __init__(self, runner):
+        self.runner, self.forward_s, self.context_s = runner, 0.0, 0.0
+        forward = runner.forward
+        build = getattr(runner, "build_context", None)  # optional: only splits the report
+
+        def timed_forward(inp):
+            start = time.perf_counter()
+            try:
+                return forward(inp)
+            finally:
+                self.forward_s += time.perf_counter() - start
+
+        def timed_build(inp):
+            start = time.perf_counter()
+            try:
+                return build(inp)
+            finally:
+                self.context_s += time.perf_counter() - start
+
+        runner.forward = timed_forward
+        if build is not None:
+            runner.build_context = timed_build
+
+    def reset(self) -> None:
+        self.forward_s = self.context_s = 0.0
+
+    def remove(self) -> None:
+        for name in ("forward", "build_context"):
+            self.runner.__dict__.pop(name, None)  # the class methods show through again
+
+
+def profile_overhead(engine, variant: Variant, args) -> dict:
+    """Batch 1: decode wall time vs time inside the target (and draft) forwards, then a
+    cProfile of a second decode loop (separate, so profiling cost does not skew the share)."""
+    input_len, output_len = args.input_len[0], max(args.output_len)
+    prompts = batch_prompts(
+        args.seed + 2, 1, input_len, engine.model_config.vocab_size, args.file_prompts
+    )
+    timers = {"target": ForwardTimer(engine.runner)}
+    if variant.spec:
+        timers["draft"] = ForwardTimer(engine.worker.drafter.runner)
+    try:
+        reqs = [engine.make_request(prompts[0], greedy_params(output_len))]
+        engine.add_request(reqs[0])
+        engine.step()  # prefill, not part of the decode share
+        for t in timers.values():
+            t.reset()
+        start = time.perf_counter()
+        steps = 0
+        while engine.has_work():
+            engine.step()
+            steps += 1
+        wall = time.perf_counter() - start
+    finally:
+        for t in timers.values():
+            t.remove()
+    inside = sum(t.forward_s for t in timers.values())
+    context = sum(t.context_s for t in timers.values())
+    report = {
+        "run_name": args.run_name,
+        "variant": variant.label,
+        "kind": "overhead",
+        "batch_size": 1,
+        "input_len": input_len,
+        "output_len": output_len,
+        "decode_wall_s": wall,
+        "decode_steps": steps,
+        "forward_share": {k: t.forward_s / wall for k, t in timers.items()},
+        "context_build_share": context / wall,
+        "engine_overhead_share": (wall - inside) / wall,
+    }
+    print("\n" + block_header(f"Engine overhead [{variant.label}]"))
+    print(
+        f"batch 1, input len {input_len}, output len {output_len}: decode wall time "
+        f"{wall * 1000:.1f} ms over {steps} steps ({wall / steps * 1000:.2f} ms/step)"
+    )
+    for name, share in report["forward_share"].items():
+        print(f"{name} runner forward: {share * 100:.1f}% of decode wall time")
+    print(f"  (ForwardContext.build inside those forwards: {context / wall * 100:.1f}%)")
+    print(
+        f"engine overhead: {report['engine_overhead_share'] * 100:.1f}% of decode wall time "
+        "(scheduling, sampling, bookkeeping, detokenizing)"
+    )
+    print_decode_profile(engine, prompts[0], output_len, args.profile_top)
+    return report
+
+
+def print_decode_profile(engine, prompt: list[int], output_len: int, top: int) -> None:
+    """cProfile of one batch-1 decode loop, top entries by cumulative time."""
+    req = engine.make_request(prompt, greedy_params(output_len))
+    engine.add_request(req)
+    engine.step()
+    profiler = cProfile.Profile()
+    profiler.enable()
+    while engine.has_work():
+        engine.step()
+    profiler.disable()
+    out = io.StringIO()
+    pstats.Stats(profiler, stream=out).sort_stats("cumulative").print_stats(top)
+    print(f"cProfile of the decode loop (top {top} by cumulative time):")
+    text = out.getvalue().strip().splitlines()
+    start = next((i for i, line in enumerate(text) if "ncalls" in line), 0)
+    print("\n".join(text[start:]))

@@ -1,0 +1,270 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The HTTP side of `bench_serving`: one request per backend (`/generate`,
+`/v1/completions`, `/v1/chat/completions`), streamed or not, timed SGLang's way, and a run
+of many on a Poisson arrival schedule with at most `--max-concurrency` in flight.
+
+Timing: TTFT is the first chunk that carries tokens. Native streams report cumulative
+`completion_tokens`, so a chunk's gap is spread over the tokens it carried (one NEXTN round
+emits several). OpenAI streams carry no per-chunk token count: the token total comes from
+`usage` (or the chunk count) and each chunk gap is divided by the average tokens per chunk
+after the first."""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from scripts.bench.datasets import BenchRequest
+from scripts.bench.report import progress
+
+BACKENDS = {
+    "sglang": "/generate",
+    "sglang-oai": "/v1/completions",
+    "sglang-oai-chat": "/v1/chat/completions",
+}
+REQUEST_TIMEOUT_S = 6 * 3600
+HTTP_TIMEOUT_S = 30.0  # server info and model list
+REACHABLE_TIMEOUT_S = 10.0
+
+
+def http_get_json(base_url: str, path: str, timeout: float = HTTP_TIMEOUT_S) -> dict:
+    import requests
+
+    resp = requests.get(base_url + path, timeout=timeout)
+    resp.raise_for_status()
+    return resp.json()
+
+
+def check_reachable(base_url: str) -> None:
+    """A clear error when nothing answers at `base_url`."""
+    import requests
+
+    try:
+        requests.get(base_url + "/health", timeout=REACHABLE_TIMEOUT_S)
+    except requests.RequestException as err:
+        raise RuntimeError(
+            f"no server answers at {base_url} ({type(err).__name__}); start "
+            "one with `python -m runtime.launch_server` or pass --launch-server"
+        ) from None
+
+
+def server_accept_length(info: dict) -> float | None:
+    """`internal_states[0].avg_spec_accept_length` (SGLang's place), else the top level."""
+    states = info.get("internal_states") or [{}]
+    value = states[0].get("avg_spec_accept_length", info.get("avg_spec_accept_length"))
+    return float(value) if value else None
+
+
+def served_model_name(base_url: str, requested: str | None) -> str | None:
+    if requested:
+        return requested
+    try:
+        return http_get_json(base_url, "/v1/models")["data"][0]["id"]
+    except Exception:  # noqa: BLE001 - the name is optional for this server
+        return None
+
+
+@dataclass
+class RequestOutput:
+    success: bool = False
+    latency: float = 0.0
+    ttft: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    prompt_len: int = 0
+    output_len: int = 0
+    error: str = ""
+
+
+def sse_events(resp):
+    """(arrival time, parsed JSON) per `data:` line until `[DONE]`."""
+    for line in resp.iter_lines():
+        if not line or not line.startswith(b"data:"):
+            continue
+        data = line[5:].strip()
+        if data == b"[DONE]":
+            return
+        yield time.perf_counter(), json.loads(data)
+
+
+def payload_for(args, req: BenchRequest, model: str | None) -> dict:
+    stream, ignore_eos = not args.disable_stream, not args.disable_ignore_eos
+    if args.backend == "sglang":
+        body = {
+            "sampling_params": {
+                "temperature": 0.0,
+                "max_new_tokens": req.output_len,
+                "ignore_eos": ignore_eos,
+            },
+            "stream": stream,
+        }
+        if req.input_ids is not None:
+            body["input_ids"] = req.input_ids
+        else:
+            body["text"] = req.prompt
+    else:
+        body = {
+            "max_tokens": req.output_len,
+            "temperature": 0.0,
+            "ignore_eos": ignore_eos,
+            "stream": stream,
+        }
+        if model:
+            body["model"] = model
+        if stream:
+            body["stream_options"] = {"include_usage": True}
+        if args.backend == "sglang-oai":
+            body["prompt"] = req.prompt if req.prompt is not None else req.input_ids
+        else:
+            body["messages"] = [{"role": "user", "content": req.prompt}]
+    if args.extra_request_body:
+        body.update(json.loads(args.extra_request_body))
+    return body
+
+
+def send_request(base_url: str, args, req: BenchRequest, model: str | None) -> RequestOutput:
+    """POST one request and time it; failures come back as `success=False` with the error."""
+    import requests
+
+    out = RequestOutput(prompt_len=req.prompt_len)
+    start = time.perf_counter()
+    try:
+        with requests.post(
+            base_url + BACKENDS[args.backend],
+            json=payload_for(args, req, model),
+            stream=True,
+            timeout=REQUEST_TIMEOUT_S,
+        ) as resp:
+            if resp.status_code != 200:
+                out.error = f"HTTP {resp.status_code}: {resp.text[:500]}"
+                return out
+            if args.disable_stream:
+                body = resp.json()
+                out.latency = out.ttft = time.perf_counter() - start
+                read_final(args.backend, body, out)
+            elif args.backend == "sglang":
+                read_native_stream(resp, start, out)
+            else:
+                read_openai_stream(resp, start, out, chat=args.backend == "sglang-oai-chat")
+    except Exception as err:  # noqa: BLE001 - one failed request must not stop the run
+        out.success, out.error = False, f"{type(err).__name__}: {err}"
+    return out
+
+
+def read_final(backend: str, body, out: RequestOutput) -> None:
+    """Token counts of a non-streamed response."""
+    if backend == "sglang":
+        meta = (body[0] if isinstance(body, list) else body)["meta_info"]
+        finish_ok(meta.get("finish_reason"), out)
+        out.prompt_len, out.output_len = meta["prompt_tokens"], meta["completion_tokens"]
+    else:
+        usage = body.get("usage") or {}
+        out.prompt_len = usage.get("prompt_tokens", out.prompt_len)
+        out.output_len = usage.get("completion_tokens", 0)
+        reason = (body.get("choices") or [{}])[0].get("finish_reason")
+        out.success = reason != "abort"
+        out.error = "" if out.success else "request aborted by the server"
+
+
+def finish_ok(reason, out: RequestOutput) -> None:
+    out.success = not (isinstance(reason, dict) and reason.get("type") == "abort")
+    if not out.success:
+        out.error = f"aborted: {reason.get('message')}"
+
+
+def read_native_stream(resp, start: float, out: RequestOutput) -> None:
+    """`/generate` SSE: cumulative `completion_tokens` tells how many tokens each chunk
+    carried, so its gap is spread over them (SGLang's ITL)."""
+    seen, last, meta = 0, start, None
+    for now, obj in sse_events(resp):
+        if "error" in obj:
+            out.error = str(obj["error"])
+            return
+        meta = obj["meta_info"]
+        new = meta["completion_tokens"] - seen
+        if new <= 0:
+            continue
+        if seen == 0:
+            out.ttft = now - start
+        else:
+            out.itl.extend([(now - last) / new] * new)
+        seen, last = meta["completion_tokens"], now
+    out.latency = time.perf_counter() - start
+    if meta is None:
+        out.error = "the stream ended without a chunk"
+        return
+    finish_ok(meta.get("finish_reason"), out)
+    out.prompt_len, out.output_len = meta["prompt_tokens"], seen
+
+
+def read_openai_stream(resp, start: float, out: RequestOutput, chat: bool) -> None:
+    """OpenAI SSE: chunks carry text but no token count; the total comes from `usage`
+    (requested with `stream_options.include_usage`), else one token per chunk."""
+    arrivals, usage, aborted = [], None, False
+    for now, obj in sse_events(resp):
+        if "error" in obj:
+            out.error = str(obj["error"])
+            return
+        usage = obj.get("usage") or usage
+        for choice in obj.get("choices") or []:
+            text = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
+            reason = choice.get("finish_reason")
+            aborted |= reason == "abort"
+            if text or reason:  # a finish chunk may carry tokens whose text is empty
+                arrivals.append(now)
+    out.latency = time.perf_counter() - start
+    if not arrivals:
+        out.error = "the stream ended without a token"
+        return
+    out.ttft = arrivals[0] - start
+    out.output_len = (usage or {}).get("completion_tokens", len(arrivals))
+    out.prompt_len = (usage or {}).get("prompt_tokens", out.prompt_len)
+    gaps = [b - a for a, b in zip(arrivals, arrivals[1:], strict=False)]
+    if gaps:
+        per_chunk = max(out.output_len - 1, 1) / len(gaps)  # tokens per chunk after the first
+        out.itl = [g / per_chunk for g in gaps]
+    out.success, out.error = not aborted, "request aborted by the server" if aborted else ""
+
+
+def arrival_times(count: int, rate: float, seed: int) -> list[float]:
+    """SGLang's arrivals: the first at 0, then exponential gaps (Poisson process)."""
+    if rate == float("inf"):
+        return [0.0] * count
+    rng = random.Random(seed)
+    times, t = [], 0.0
+    for i in range(count):
+        if i:
+            t += rng.expovariate(rate)
+        times.append(t)
+    return times
+
+
+def run_requests(base_url: str, args, dataset: list[BenchRequest], model: str | None):
+    """All requests on their arrival schedule; a pool of `max_concurrency` workers holds the
+    rest back like SGLang's semaphore. Returns (outputs, benchmark seconds)."""
+    workers = args.max_concurrency or len(dataset)
+    arrivals = arrival_times(len(dataset), args.request_rate, args.seed)
+    bar = progress(total=len(dataset), disable=args.disable_tqdm, desc="requests")
+    lock = threading.Lock()
+
+    def task(req: BenchRequest) -> RequestOutput:
+        result = send_request(base_url, args, req, model)
+        with lock:
+            bar.update(1)
+        return result
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        futures = []
+        for req, at in zip(dataset, arrivals, strict=True):
+            delay = start + at - time.perf_counter()
+            if delay > 0:
+                time.sleep(delay)
+            futures.append(pool.submit(task, req))
+        outputs = [f.result() for f in futures]
+    duration = time.perf_counter() - start
+    bar.close()
+    return outputs, duration

@@ -1,0 +1,112 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The decoding variants a benchmark run compares (plain, NEXTN with some draft steps) and the
+in-process engine of each, built from the shared flags of `scripts.bench.flags`."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One decoding configuration a run measures: plain, or NEXTN with its shape."""
+
+    label: str
+    spec: dict | None  # Engine / launch_server speculative kwargs, None for plain decoding
+
+    @property
+    def is_plain(self) -> bool:
+        return self.spec is None
+
+    @property
+    def num_steps(self) -> int:
+        return 0 if self.spec is None else self.spec["speculative_num_steps"]
+
+
+def build_variants(args: argparse.Namespace) -> list[Variant]:
+    """Plain first (when `--compare` or no algorithm is given), then one NEXTN variant per
+    requested step count. Bad speculative flags fail here, before any weight is read."""
+    from runtime.configs.speculative import SpeculativeConfig
+
+    steps = args.speculative_num_steps
+    steps = steps if isinstance(steps, list) else [steps]
+    algorithm = args.speculative_algorithm or ("NEXTN" if args.compare else None)
+    variants = []
+    if args.compare or algorithm is None:
+        if algorithm is None and any(s is not None for s in steps):
+            raise ValueError(
+                "--speculative-num-steps needs --speculative-algorithm NEXTN (or --compare)"
+            )
+        variants.append(Variant("plain", None))
+    if algorithm is not None:
+        for s in steps:
+            cfg = SpeculativeConfig.resolve(
+                algorithm, s, args.speculative_eagle_topk, args.speculative_num_draft_tokens
+            )
+            spec = {
+                "speculative_algorithm": cfg.algorithm,
+                "speculative_num_steps": cfg.num_steps,
+                "speculative_eagle_topk": cfg.eagle_topk,
+                "speculative_num_draft_tokens": cfg.num_draft_tokens,
+            }
+            variants.append(Variant(f"{cfg.algorithm}(steps={cfg.num_steps})", spec))
+    return variants
+
+
+def set_threads(threads: int) -> int:
+    """Pin torch's intra-op threads so every variant (and the HF baseline) runs alike."""
+    import torch
+
+    if threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {threads}")
+    torch.set_num_threads(threads)
+    return torch.get_num_threads()
+
+
+def resolve_model_path(model_path: str | None) -> str:
+    """The checkpoint directory, or the engine's embedded default (FileNotFoundError if absent)."""
+    from runtime.configs.engine_config import default_model_path
+
+    return model_path or default_model_path()
+
+
+def resolve_torch_dtype(model_path: str, dtype: str):
+    """The torch dtype `Engine(dtype=...)` will run in, so the HF baseline can use the same."""
+    from runtime.configs.model_config import ModelConfig
+
+    return ModelConfig.from_path(model_path, dtype).dtype
+
+
+def make_engine(args: argparse.Namespace, variant: Variant, **overrides):
+    """An in-process `Engine` for `variant` with the shared flags (`overrides` win)."""
+    from runtime import Engine
+
+    kwargs = {
+        "model_path": args.model_path,
+        "dtype": args.dtype,
+        "max_running_requests": args.max_running_requests,
+        "random_seed": args.seed,
+        **(variant.spec or {}),
+    }
+    kwargs.update(overrides)
+    return Engine(**kwargs)
+
+
+def spec_counters(engine) -> tuple[int, int]:
+    """(emitted tokens, verify rounds) so far; deltas give a run's own accept length."""
+    if not getattr(engine, "spec_config", None):
+        return 0, 0
+    stats = engine.worker.stats
+    return stats.emitted_tokens, stats.verify_rounds
+
+
+def accept_length_between(before: tuple[int, int], after: tuple[int, int]) -> float | None:
+    """Tokens per verify round between two `spec_counters` readings (None without rounds)."""
+    rounds = after[1] - before[1]
+    return (after[0] - before[0]) / rounds if rounds else None
+
+
+def greedy_params(output_len: int, ignore_eos: bool = True) -> dict:
+    """Greedy sampling of exactly `output_len` tokens (unless EOS may stop it)."""
+    return {"temperature": 0, "max_new_tokens": output_len, "ignore_eos": ignore_eos}

@@ -1,0 +1,176 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Evaluation of a checkpoint directory: held-out losses of the saved weights, the runtime's
+NEXTN acceptance and speed (plain vs NEXTN, batch 1), and transformers as an oracle (its
+greedy `generate` equals the runtime's). Writes evaluation.json and the model card."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from scripts.tiny_training.corpus import encode_documents, split_by_file, stdlib_sources
+from scripts.tiny_training.export import load_checkpoint
+from scripts.tiny_training.families import family_of_config
+from scripts.tiny_training.loop import eval_windows, evaluate_heldout, format_metrics
+from scripts.tiny_training.model_card import model_card
+
+
+def eval_prompts(held_sources: list, count: int, min_chars=200, max_chars=320) -> list[str]:
+    """The opening of `count` evenly spaced held-out files, cut at a line end."""
+    usable = [text for _, text in held_sources if len(text) > max_chars]
+    picked = usable[:: max(1, len(usable) // count)][:count]
+    prompts = []
+    for text in picked:
+        cut = text.rfind("\n", min_chars, max_chars)
+        prompts.append(text[: cut + 1] if cut >= 0 else text[:max_chars])
+    return prompts
+
+
+def _warm_up(engine, prompt: str, params: dict) -> None:
+    engine.generate(prompt, {**params, "max_new_tokens": 8})
+
+
+def _timed_generate(engine, prompts: list[str], params: dict) -> tuple[list[dict], float]:
+    """Batch-1 generation of each prompt in turn; (results, seconds)."""
+    results, seconds = [], 0.0
+    for prompt in prompts:
+        started = time.perf_counter()
+        results.append(engine.generate(prompt, params))
+        seconds += time.perf_counter() - started
+    return results, seconds
+
+
+def _tokens_per_s(results: list[dict], seconds: float) -> float:
+    return sum(len(r["output_ids"]) for r in results) / seconds
+
+
+def pick_dtype(path: Path, prompts: list[str], params: dict) -> tuple[str, dict[str, float]]:
+    """The faster of float32 and bfloat16 for plain batch-1 decoding of `prompts`."""
+    from runtime import Engine
+
+    speeds = {}
+    for dtype in ("float32", "bfloat16"):
+        engine = Engine(model_path=str(path), dtype=dtype)
+        _warm_up(engine, prompts[0], params)
+        speeds[dtype] = _tokens_per_s(*_timed_generate(engine, prompts, params))
+    return max(speeds, key=speeds.get), speeds
+
+
+def runtime_report(path: Path, prompts: list[str], dtype: str, steps: int, new_tokens: int) -> dict:
+    """Serve the checkpoint with the runtime, plain and with NEXTN: speed and acceptance.
+    `dtype="auto"` first measures which of float32 / bfloat16 decodes faster."""
+    from runtime import Engine
+
+    params = {"temperature": 0, "max_new_tokens": new_tokens}
+    dtype_speeds = None
+    if dtype == "auto":
+        dtype, dtype_speeds = pick_dtype(path, prompts[:4], params)
+    plain = Engine(model_path=str(path), dtype=dtype)
+    _warm_up(plain, prompts[0], params)
+    plain_results, plain_seconds = _timed_generate(plain, prompts, params)
+    del plain
+    nextn = Engine(
+        model_path=str(path),
+        dtype=dtype,
+        speculative_algorithm="NEXTN",
+        speculative_num_steps=steps,
+    )
+    _warm_up(nextn, prompts[0], params)
+    stats = nextn.worker.stats  # engine-wide counters: take the difference over the prompts
+    rounds0, emitted0 = stats.verify_rounds, stats.emitted_tokens
+    accepted0 = list(stats.accepted_at)
+    nextn_results, nextn_seconds = _timed_generate(nextn, prompts, params)
+    rounds = stats.verify_rounds - rounds0
+    histogram = [0] * (steps + 1)
+    for result in nextn_results:
+        for m, n in enumerate(result["meta_info"]["spec_accept_histogram"]):
+            histogram[m] += n
+    plain_speed = _tokens_per_s(plain_results, plain_seconds)
+    nextn_speed = _tokens_per_s(nextn_results, nextn_seconds)
+    return {
+        "dtype": dtype,
+        "dtype_plain_tokens_per_s": dtype_speeds,
+        "threads": torch.get_num_threads(),
+        "num_prompts": len(prompts),
+        "max_new_tokens": new_tokens,
+        "speculative_num_steps": steps,
+        "accept_length": (stats.emitted_tokens - emitted0) / rounds,
+        "accept_rate_per_position": [
+            (a - a0) / rounds for a, a0 in zip(stats.accepted_at, accepted0, strict=True)
+        ],
+        "accept_histogram": histogram,
+        "plain_tokens_per_s": plain_speed,
+        "nextn_tokens_per_s": nextn_speed,
+        "speedup": nextn_speed / plain_speed,
+        "nextn_equals_plain": sum(
+            p["output_ids"] == s["output_ids"]
+            for p, s in zip(plain_results, nextn_results, strict=True)
+        ),
+        "sample": {"prompt": prompts[0], "completion": nextn_results[0]["text"]},
+    }
+
+
+def transformers_parity(path: Path, prompts: list[str], new_tokens: int = 32) -> dict:
+    """transformers loads the directory (ignoring `mtp.*`), and its greedy `generate`
+    equals the runtime's greedy output in fp32."""
+    from transformers import AutoTokenizer
+
+    from runtime import Engine
+
+    family = family_of_config(json.loads((path / "config.json").read_text()))
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    model = family.hf_causal_lm().from_pretrained(str(path), dtype=torch.float32).eval()
+    engine = Engine(model_path=str(path), dtype="float32")
+    equal = []
+    for prompt in prompts:
+        ids = tokenizer(prompt)["input_ids"]
+        with torch.no_grad():
+            out = model.generate(torch.tensor([ids]), max_new_tokens=new_tokens, do_sample=False)
+        ours = engine.generate(
+            input_ids=ids, sampling_params={"temperature": 0, "max_new_tokens": new_tokens}
+        )
+        equal.append(out[0, len(ids) :].tolist() == ours["output_ids"])
+    return {"prompts": len(prompts), "new_tokens": new_tokens, "equal": sum(equal)}
+
+
+def evaluate_checkpoint(path: Path, args) -> dict:
+    """Held-out losses of the saved weights, the runtime's NEXTN acceptance and speed, and
+    transformers parity; writes evaluation.json and README.md into `path`."""
+    from tokenizers import Tokenizer
+
+    summary = json.loads((path / "training.json").read_text())
+    config = json.loads((path / "config.json").read_text())
+    corpus = summary["corpus"]
+    _, held_sources = split_by_file(stdlib_sources(corpus["limit_files"]), corpus["holdout_every"])
+    tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
+    windows = eval_windows(
+        encode_documents(tokenizer, [t for _, t in held_sources]),
+        args.eval_windows,
+        summary["seq_len"],
+    )
+    model = load_checkpoint(path)
+    summary["heldout"] = evaluate_heldout(model, windows, summary["batch_size"], autocast=False)
+    summary["heldout_windows"] = len(windows)
+    del model
+    print("held-out: " + format_metrics(summary["heldout"]), flush=True)
+    report = parity = None
+    if not args.skip_runtime_eval:
+        prompts = eval_prompts(held_sources, args.eval_prompts)
+        report = runtime_report(
+            path, prompts, args.eval_dtype, args.spec_steps, args.eval_new_tokens
+        )
+        parity = transformers_parity(path, prompts[:2])
+        print(json.dumps({**report, "transformers_parity": parity}, indent=2), flush=True)
+    (path / "training.json").write_text(json.dumps(summary, indent=2) + "\n")
+    (path / "evaluation.json").write_text(
+        json.dumps(
+            {"heldout": summary["heldout"], "runtime": report, "transformers_parity": parity},
+            indent=2,
+        )
+        + "\n"
+    )
+    (path / "README.md").write_text(model_card(config, summary, report, parity))
+    return {"heldout": summary["heldout"], "runtime": report, "transformers_parity": parity}

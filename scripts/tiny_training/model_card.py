@@ -1,0 +1,154 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The checkpoint's README.md: the family's introduction, architecture table and training
+notes around the lines every family shares (corpus, tokenizer, optimisation, held-out
+results, the runtime's measured NEXTN speed and acceptance, transformers parity, how to
+reproduce)."""
+
+from __future__ import annotations
+
+import math
+
+from scripts.tiny_training.export import TRAINER_MODULE
+from scripts.tiny_training.families import family_of_config
+
+
+def _dtype_note(report: dict) -> str:
+    speeds = report.get("dtype_plain_tokens_per_s")
+    if not speeds:
+        return ""
+    shown = ", ".join(f"{dtype} {speed:.1f}" for dtype, speed in speeds.items())
+    return f" ({report['dtype']} is the faster here; plain tokens/s on 4 prompts: {shown})"
+
+
+def _card_data_lines(config: dict, summary: dict) -> list[str]:
+    """Corpus, tokenizer and optimisation: the same for every family."""
+    corpus = summary["corpus"]
+    return [
+        f"* Corpus: the standard library `*.py` of Python {corpus['python']} (site-packages "
+        f"excluded), sorted by path, every {corpus['holdout_every']}th file held out: "
+        f"{corpus['files_train']} train files ({corpus['bytes_train'] / 1e6:.1f} MB, "
+        f"{corpus['tokens_train'] / 1e6:.2f} M tokens), {corpus['files_heldout']} held-out files "
+        f"({corpus['tokens_heldout'] / 1e6:.2f} M tokens). Each file is framed "
+        "`<|bos|> ... <|eos|>`.",
+        f"* Tokenizer: byte-level BPE ({config['vocab_size']} entries) trained on the train "
+        "split with `tokenizers`; special tokens `<|bos|> <|eos|> <|pad|> <|system|> <|user|> "
+        "<|assistant|>`; encoding a text prepends `<|bos|>`.",
+        f"* {summary['steps']} steps in {summary['train_minutes']:.1f} minutes on "
+        f"{summary['threads']} CPU threads ({summary['train_tokens'] / 1e6:.2f} M tokens): "
+        f"batch {summary['batch_size']} x {summary['seq_len']} tokens, AdamW (0.9, 0.95), "
+        f"peak lr {summary['lr']:g}, {summary['warmup_steps']} warm-up steps then cosine to "
+        f"{summary['min_lr_ratio']:g}x, weight decay {summary['weight_decay']:g}, "
+        f"{summary['precision']} autocast, seed {summary['seed']}.",
+    ]
+
+
+def _card_heldout_lines(summary: dict) -> list[str]:
+    held = summary["heldout"]
+    return [
+        "## Held-out results",
+        "",
+        f"Over {summary['heldout_windows']} windows of {summary['seq_len']} tokens of the held-out "
+        "files (training-form model):",
+        "",
+        "| | loss | top-1 accuracy |",
+        "|---|---|---|",
+        f"| trunk (next token) | {held['trunk']:.3f} (ppl {math.exp(held['trunk']):.1f}) | "
+        f"{held['trunk_acc']:.3f} |",
+        f"| MTP (token after next) | {held['mtp']:.3f} | {held['mtp_acc']:.3f} |",
+        "",
+        f"MTP argmax = trunk's next argmax (the first draft token greedy NEXTN accepts): "
+        f"{held['mtp_agreement']:.3f}.",
+    ]
+
+
+def _card_runtime_lines(report: dict) -> list[str]:
+    per_pos = ", ".join(f"{r:.3f}" for r in report["accept_rate_per_position"])
+    return [
+        "",
+        "## Served by the runtime",
+        "",
+        f'`Engine(model_path=DIR, dtype="{report["dtype"]}")`, greedy, '
+        f"{report['max_new_tokens']} new tokens for each of {report['num_prompts']} prompts "
+        "(the first lines, up to 320 characters, of held-out files), one at a time (batch 1), "
+        f"{report['threads']} torch threads with `OMP_WAIT_POLICY=PASSIVE`"
+        + _dtype_note(report)
+        + ":",
+        "",
+        "| | tokens/s |",
+        "|---|---|",
+        f"| plain decoding | {report['plain_tokens_per_s']:.1f} |",
+        f"| NEXTN, {report['speculative_num_steps']} draft steps | "
+        f"{report['nextn_tokens_per_s']:.1f} ({report['speedup']:.2f}x) |",
+        "",
+        f"* Accept length (tokens per verify round): **{report['accept_length']:.2f}**.",
+        f"* Share of rounds that accepted draft 1..{report['speculative_num_steps']}: {per_pos}.",
+        f"* Histogram of accepted drafts per round (index m = rounds that accepted m): "
+        f"{report['accept_histogram']}.",
+        f"* NEXTN output identical to plain greedy output for "
+        f"{report['nextn_equals_plain']} of {report['num_prompts']} prompts.",
+    ]
+
+
+def _card_parity_line(hf_class: str, parity: dict) -> str:
+    return (
+        f"* transformers `{hf_class}.from_pretrained` loads this directory "
+        f"(ignoring `mtp.*`); its greedy `generate` equals the runtime's (fp32) on "
+        f"{parity['equal']} of {parity['prompts']} prompts "
+        f"({parity['new_tokens']} tokens)."
+    )
+
+
+def _trainer_command(summary: dict) -> str:
+    """The training command as run from the repository root. Checkpoints trained before the
+    scripts became a package recorded the file path (`scripts/train_tiny_model.py ...`)."""
+    command = summary["command"]
+    legacy = "scripts/train_tiny_model.py"
+    if command.startswith(legacy):
+        command = f"-m {TRAINER_MODULE}" + command.removeprefix(legacy)
+    return f"python {command}"
+
+
+def _card_reproduce_lines(summary: dict) -> list[str]:
+    return [
+        "",
+        "## Reproduce",
+        "",
+        "```bash",
+        _trainer_command(summary),
+        f"python -m {TRAINER_MODULE} --evaluate-only {summary['output_dir']}",
+        "```",
+        "",
+        "Training is deterministic for a given seed, Python standard library and step budget "
+        "(`--max-steps N --max-minutes 0`). This checkpoint had a time budget, so its cosine "
+        "schedule followed the clock: a rerun trains as many steps as fit in that time on "
+        "its machine. Figures above were measured on a shared 2-core CPU (other jobs ran "
+        "during training) and vary with its load.",
+        "",
+    ]
+
+
+def model_card(config: dict, summary: dict, report: dict | None, parity: dict | None) -> str:
+    """README.md of the checkpoint directory, from the training summary and measurements."""
+    family = family_of_config(config)
+    lines = [
+        *family.card_introduction(config),
+        "",
+        "## Architecture",
+        "",
+        "| | |",
+        "|---|---|",
+        *family.card_architecture(config, summary["params"], summary["size_mb"]),
+        "",
+        "## Training",
+        "",
+        *_card_data_lines(config, summary),
+        *family.card_training_notes(summary),
+        "",
+        *_card_heldout_lines(summary),
+    ]
+    if report is not None:
+        lines += _card_runtime_lines(report)
+    if parity is not None:
+        lines.append(_card_parity_line(family.HF_CLASS_NAME, parity))
+    lines += _card_reproduce_lines(summary)
+    return "\n".join(lines)
