@@ -91,6 +91,25 @@ class Mapping:
         return self.attn.tp.size == self.moe.combine.size
 
     @classmethod
+    def for_layout(cls, layout: ParallelLayout, rank: int) -> Mapping:
+        """Rank `rank`'s shard coordinates without process groups: enough to build and load
+        that rank's shard of a model (its collectives need `init_replica`'s groups)."""
+
+        def coord(index: int, size: int) -> ParallelGroup:
+            return ParallelGroup(index, size)
+
+        w = layout.world_size
+        return cls(
+            attn=AttentionMapping(coord(layout.tp_rank(rank), layout.tp_size)),
+            moe=MoEMapping(
+                ep=coord(layout.ep_rank(rank), layout.ep_size),
+                tp=coord(layout.moe_tp_rank(rank), layout.moe_tp_size),
+                combine=coord(rank, w),
+            ),
+            world=coord(rank, w),
+        )
+
+    @classmethod
     def for_ranks(
         cls,
         tp_rank: int = 0,

@@ -49,6 +49,7 @@ class Engine:
         `Engine(model_path=..., dtype="float32", speculative_algorithm="NEXTN")`."""
         config = dataclasses.replace(config or EngineConfig(), **overrides).resolve()
         self.config, self.model_path = config, config.model_path
+        self.num_finished_reqs = 0
         # rank 0 of a multi-rank replica: the other ranks start (and are watched) from here
         self.leader = ReplicaLeader(config) if config.parallel_layout().world_size > 1 else None
         try:
@@ -264,6 +265,7 @@ class Engine:
     def add_request(self, req: Req) -> None:
         if req.sampling_params.max_new_tokens == 0 and not self._scores_prompt(req):
             req.finish(FinishReason("length", length=0))  # nothing to compute
+            self.num_finished_reqs += 1
             return
         self.scheduler.add_request(req)
 
@@ -274,7 +276,7 @@ class Engine:
 
     def step(self) -> list[Req]:
         try:
-            return self.scheduler.step()
+            touched = self.scheduler.step()
         except Exception as err:
             broadcaster = self.leader.broadcaster if self.leader is not None else None
             if broadcaster is not None and broadcaster.in_flight:
@@ -282,6 +284,8 @@ class Engine:
                 # longer be told apart from the next one, so the replica stops here
                 self.leader.fail_in_forward(err)
             raise
+        self.num_finished_reqs += sum(req.finished for req in touched)
+        return touched
 
     def shutdown(self) -> None:
         """Stop the other ranks of a multi-rank replica (nothing to do on one rank)."""
@@ -292,7 +296,9 @@ class Engine:
         return self.scheduler.has_work()
 
     def abort(self, rid: str, message: str = "aborted by the client") -> Req | None:
-        return self.scheduler.abort(rid, message)
+        req = self.scheduler.abort(rid, message)
+        self.num_finished_reqs += req is not None
+        return req
 
     def abort_all(self, message: str) -> list[Req]:
         """Abort every waiting and running request (e.g. after a failed step)."""
@@ -362,4 +368,4 @@ class Engine:
         """Load and speculative counters right now. Call on the engine's thread; other
         threads read `AsyncEngine.stats`, the snapshot it publishes after every step."""
         spec_stats = self.worker.stats if self.spec_config else None
-        return engine_stats(self.scheduler, self.slot_table, spec_stats)
+        return engine_stats(self.scheduler, self.slot_table, spec_stats, self.num_finished_reqs)

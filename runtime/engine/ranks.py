@@ -93,6 +93,7 @@ class RankMemory:
     """What one rank holds after start-up (bytes)."""
 
     rank: int
+    pid: int  # the rank's process (on its machine)
     weights: int  # parameters and buffers of its models (shared tensors once)
     kv_cache: int  # its cache pools and request-to-token table
     peak_rss: int  # the process's peak resident set
@@ -133,7 +134,8 @@ def memory_report(rank: int, runners: Iterable[ModelRunner]) -> RankMemory:
     device = runners[0].device if runners else "cpu"
     allocated = torch.cuda.memory_allocated(device) if str(device).startswith("cuda") else None
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
-    return RankMemory(rank, weight_bytes(r.model for r in runners), kv, peak, allocated)
+    models = (r.model for r in runners)
+    return RankMemory(rank, os.getpid(), weight_bytes(models), kv, peak, allocated)
 
 
 def gather_memory(replica: Replica, mine: RankMemory) -> list[RankMemory]:

@@ -62,7 +62,9 @@ def _spec_counters(req: Req, num_draft_tokens: int) -> SpecCounters:
     )
 
 
-def engine_stats(scheduler, slot_table: SlotTable, spec_stats=None) -> EngineStats:
+def engine_stats(
+    scheduler, slot_table: SlotTable, spec_stats=None, num_finished_reqs: int = 0
+) -> EngineStats:
     """Load and speculative counters right now; `spec_stats` is the NEXTN worker's
     engine-wide `SpecStats` (None for plain decoding)."""
     allocator = slot_table.allocator
@@ -79,6 +81,7 @@ def engine_stats(scheduler, slot_table: SlotTable, spec_stats=None) -> EngineSta
         num_running_reqs=len(scheduler.running),
         num_waiting_reqs=len(scheduler.waiting),
         num_retractions=scheduler.num_retractions,
+        num_finished_reqs=num_finished_reqs,
         available_tokens=available,
         available_request_slots=slot_table.req_pool.available(),
         token_usage=1 - available / max(1, allocator.capacity_tokens),

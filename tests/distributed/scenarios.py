@@ -109,5 +109,5 @@ def nextn_forward_logits(mapping: Mapping | None, path: str) -> dict[str, torch.
     return out
 
 
-def nextn_forward_logits_on_rank(replica, path: str) -> dict[str, torch.Tensor]:
-    return nextn_forward_logits(replica.mapping, path)
+def nextn_forward_logits_on_rank(replica, paths: list[str]) -> list[dict[str, torch.Tensor]]:
+    return [nextn_forward_logits(replica.mapping, path) for path in paths]
