@@ -100,9 +100,10 @@ def test_each_rank_holds_half_of_the_sharded_weights(checkpoints, family, tp, ep
         }
         full_sharded = sum(whole[n].numel() * whole[n].element_size() for n in sharded_names)
         assert full_sharded > 0
-        for sharded, replicated in per_rank:
+        for sharded, _ in per_rank:
             # an even split, up to the vocabulary's padding row
             assert sharded == pytest.approx(full_sharded / 2, rel=0.02)
+        assert len({replicated for _, replicated in per_rank}) == 1
         # what is replicated is identical on every rank and equal to the single-rank value
         for name, param in ranks[1][part].named_parameters():
             if name not in sharded_names:
