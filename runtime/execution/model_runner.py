@@ -133,6 +133,12 @@ class ModelRunner:
     def commit_verified(self, req_pool_indices: torch.Tensor, num_accepted: torch.Tensor) -> None:
         """Keep the caches' state after each request's accepted rows (recurrent states); the
         same on every rank of a replica."""
-        if self.broadcaster is not None:
-            self.broadcaster.commit(self.role, req_pool_indices, num_accepted)
-        self.kv_pool.commit_verified(req_pool_indices, num_accepted)
+        self.pool_call("commit_verified", req_pool_indices, num_accepted)
+
+    def pool_call(self, method: str, *args, local: bool = False):
+        """`kv_pool.<method>(*args)` here and, on rank 0 of a replica, on every other rank:
+        any change to the caches outside a forward goes through this (args travel pickled,
+        tensors via the CPU). `local=True` runs it on this rank only (a replayed call)."""
+        if self.broadcaster is not None and not local:
+            self.broadcaster.pool_call(self.role, method, args)
+        return getattr(self.kv_pool, method)(*args)

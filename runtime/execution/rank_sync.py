@@ -7,10 +7,11 @@ channel: the input ids, per-request lengths and slots, the capture mode, the row
 and what changed in the request-to-token table for the requests in the batch since the
 last message (vLLM V1 sends new block ids per step the same way). Captured hidden states
 travel as a reference (`HiddenRows`: rows of the latest target or draft output, which every
-rank holds already); only an input without one ships the tensor. Cache commits after a
-verify round go out as `CommitMessage`s carrying the accepted lengths decided on rank 0, so
-every rank keeps the same recurrent state. The other ranks run a `FollowerLoop` that
-replays the messages on their own runners (their shard of every layer) until `StopMessage`.
+rank holds already); only an input without one ships the tensor. Cache-pool operations
+outside a forward (the commit after a verify round, with the accepted lengths decided on
+rank 0) go out as `PoolCallMessage`s, so every rank's caches change the same way. The other
+ranks run a `FollowerLoop` that replays the messages on their own runners (their shard of
+every layer) until `StopMessage`.
 """
 
 from __future__ import annotations
@@ -46,10 +47,12 @@ class ForwardMessage:
 
 
 @dataclass
-class CommitMessage:
+class PoolCallMessage:
+    """`runner.kv_pool.<method>(*args)` on the runner with `role` (CPU tensors in `args`)."""
+
     role: str
-    req_pool_indices: torch.Tensor
-    num_accepted: torch.Tensor
+    method: str
+    args: tuple
 
 
 @dataclass
@@ -117,15 +120,9 @@ class BatchBroadcaster:
         yield
         self.in_flight = False
 
-    def commit(self, role: str, req_pool_indices, num_accepted) -> None:
+    def pool_call(self, role: str, method: str, args: tuple) -> None:
         self.in_flight = True  # a failed send leaves the ranks out of step too
-        self.channel.send(
-            CommitMessage(
-                role,
-                torch.as_tensor(req_pool_indices).cpu(),
-                torch.as_tensor(num_accepted).cpu(),
-            )
-        )
+        self.channel.send(PoolCallMessage(role, method, tuple(_cpu(a) for a in args)))
         self.in_flight = False
 
     def stop(self, reason: str = "shutdown") -> None:
@@ -155,9 +152,8 @@ class FollowerLoop:
                 return message.reason
             if isinstance(message, ForwardMessage):
                 self._forward(message)
-            elif isinstance(message, CommitMessage):
-                runner = self.runners[message.role]
-                runner.kv_pool.commit_verified(message.req_pool_indices, message.num_accepted)
+            elif isinstance(message, PoolCallMessage):
+                self.runners[message.role].pool_call(message.method, *message.args, local=True)
             else:
                 raise TypeError(f"unexpected control message {type(message).__name__}")
 
