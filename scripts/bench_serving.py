@@ -135,8 +135,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def server_vocab_size(info: dict) -> int:
+    return info.get("vocab_size") or model_vocab_size(info.get("model_path"), None)
+
+
 def build_conversations(args, info: dict) -> list[Conversation]:
-    vocab = model_vocab_size(info.get("model_path"), None)
+    vocab = server_vocab_size(info)
     return multiturn_conversations(
         args.seed,
         args.num_prompts,
@@ -152,7 +156,7 @@ def build_conversations(args, info: dict) -> list[Conversation]:
 def warmup_request(args, info: dict) -> BenchRequest:
     """A multi-turn run warms up with a prompt that shares nothing with the conversations
     (so no variant starts with their system prompt cached)."""
-    vocab = model_vocab_size(info.get("model_path"), None)
+    vocab = server_vocab_size(info)
     ids = random_token_ids(random.Random(args.seed + 1), max(8, args.random_input_len), vocab)
     return BenchRequest(None, ids, len(ids), min(8, args.random_output_len))
 

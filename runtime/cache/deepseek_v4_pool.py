@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from runtime.cache.pool_geometry import PoolGeometry
+from runtime.cache.state_snapshots import RequestStateSnapshots
 
 
 @dataclass(frozen=True)
@@ -48,7 +49,7 @@ def compressor_overlap(ratio: int) -> int:
     return 2 if ratio == 4 else 1
 
 
-class DeepseekV4KVPool:
+class DeepseekV4KVPool(RequestStateSnapshots):
     def __init__(self, layout: DeepseekV4CacheLayout, geometry: PoolGeometry):
         max_reqs, dtype, device = geometry.max_reqs, geometry.dtype, geometry.device
         self.layout, self.max_reqs, self.page_size = layout, max_reqs, geometry.page_size

@@ -159,14 +159,17 @@ class RadixPrefixCache(PrefixCache):
     def __init__(
         self,
         slot_table: SlotTable,
-        pools: Sequence,
+        runners: Sequence,
         snapshot_slots: int,
         snapshot_interval: int = 0,
         min_shared_prefix: int = MIN_SHARED_PREFIX,
     ):
+        """`runners`: the target's and the draft's (their pools must have allocated
+        `snapshot_slots` snapshots); every change to their caches goes through `pool_call`."""
         super().__init__(slot_table)
-        unit = math.lcm(slot_table.page_size, *(pool.share_alignment() for pool in pools))
-        self.snapshots = StateSnapshots(pools, snapshot_slots)
+        alignments = (runner.kv_pool.share_alignment() for runner in runners)
+        unit = math.lcm(slot_table.page_size, *alignments)
+        self.snapshots = StateSnapshots(runners, snapshot_slots)
         self.tree = RadixCache(unit, slot_table.allocator, self.snapshots)
         self.snapshot_interval, self.min_shared_prefix = snapshot_interval, min_shared_prefix
         self._locks: dict[int, RadixNode] = {}  # request slot -> the node its prefix ends at

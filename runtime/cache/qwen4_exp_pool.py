@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from runtime.cache.pool_geometry import PoolGeometry
+from runtime.cache.state_snapshots import RequestStateSnapshots
 
 
 @dataclass(frozen=True)
@@ -39,7 +40,7 @@ class Qwen4ExpCacheLayout:
     qsa_ratio: int
 
 
-class Qwen4ExpKVPool:
+class Qwen4ExpKVPool(RequestStateSnapshots):
     def __init__(
         self,
         layout: Qwen4ExpCacheLayout,

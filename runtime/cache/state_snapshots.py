@@ -9,13 +9,12 @@ a chosen position and copies it back into a new request's slot when that request
 from there, as SGLang's hybrid linear-attention radix cache (`mamba_radix_cache.py`) keeps
 Mamba states at tree nodes.
 
-A pool takes part through two methods:
-
-* `request_state(req_pool_idx, verify_row=None) -> list[Tensor]`: views of the request's
-  rows in every per-request buffer (same shapes for every request slot);
-* `copy_pages(src_pages, dst_pages)`: copy the rows stored per token page (the partial
-  page a snapshot keeps past the last shared page is copied into the resuming request's own
-  page; a page holding rows several requests read is never written).
+* `RequestStateSnapshots` is the pools' side (a mixin): a pool says which of its rows are a
+  request's (`request_state`) and holds the snapshot slots of its own buffers, so on every
+  rank of a tensor-parallel replica each pool copies its own shard.
+* `StateSnapshots` is the prefix cache's side: which snapshot slots are free, and the copies
+  as calls on every runner's pool (`pool_call`, which rank 0 of a replica replays on the
+  other ranks, like every cache change outside a forward).
 """
 
 from __future__ import annotations
@@ -25,20 +24,51 @@ from collections.abc import Sequence
 import torch
 
 
-class StateSnapshots:
-    def __init__(self, pools: Sequence, num_slots: int):
-        self.pools, self.num_slots = list(pools), num_slots
-        views = self._views(0, None)
-        self._store = [
-            torch.zeros((num_slots, *v.shape), dtype=v.dtype, device=v.device) for v in views
+class RequestStateSnapshots:
+    """Mixin for a cache pool. The pool provides
+
+    * `request_state(req_pool_idx, verify_row=None) -> list[Tensor]`: views of the request's
+      rows in every per-request buffer (the same shapes for every request slot);
+    * `copy_pages(src_pages, dst_pages)`: copy the rows stored per token page (the partial page
+      a snapshot keeps past the last shared page goes into the resuming request's own page; a
+      page several requests read is never written).
+    """
+
+    _snapshot_store: list[torch.Tensor] = []
+
+    def request_state(self, req_pool_idx: int, verify_row: int | None = None) -> list:
+        raise NotImplementedError
+
+    def allocate_snapshots(self, num_slots: int) -> None:
+        self._snapshot_store = [
+            torch.zeros((num_slots, *v.shape), dtype=v.dtype, device=v.device)
+            for v in self.request_state(0)
         ]
+
+    def snapshot_nbytes(self) -> int:
+        return sum(s.numel() * s.element_size() for s in self._snapshot_store)
+
+    def save_snapshot(self, req_pool_idx: int, slot: int, verify_row: int | None = None) -> None:
+        """Copy request `req_pool_idx`'s state into snapshot `slot` (`verify_row`: see
+        `request_state`)."""
+        for store, view in zip(self._snapshot_store, self.request_state(req_pool_idx, verify_row)):
+            store[slot].copy_(view)
+
+    def restore_snapshot(self, slot: int, req_pool_idx: int) -> None:
+        for store, view in zip(self._snapshot_store, self.request_state(req_pool_idx)):
+            view.copy_(store[slot])
+
+
+class StateSnapshots:
+    """Snapshot slots and the copies in and out of them, on the pools of `runners` (objects
+    with `kv_pool` and `pool_call(method, *args)`: the target's and the draft's runner)."""
+
+    def __init__(self, runners: Sequence, num_slots: int):
+        self.runners, self.num_slots = list(runners), num_slots
         self._free = list(range(num_slots - 1, -1, -1))
 
-    def _views(self, req_pool_idx: int, verify_row: int | None) -> list[torch.Tensor]:
-        return [v for pool in self.pools for v in pool.request_state(req_pool_idx, verify_row)]
-
     def nbytes(self) -> int:
-        return sum(s.numel() * s.element_size() for s in self._store)
+        return sum(r.kv_pool.snapshot_nbytes() for r in self.runners)
 
     def available(self) -> int:
         return len(self._free)
@@ -52,16 +82,14 @@ class StateSnapshots:
         self._free.append(slot)
 
     def save(self, req_pool_idx: int, slot: int, verify_row: int | None = None) -> None:
-        """Copy request `req_pool_idx`'s state into snapshot `slot` (`verify_row`: see
-        `request_state`)."""
-        for store, view in zip(self._store, self._views(req_pool_idx, verify_row)):
-            store[slot].copy_(view)
+        for runner in self.runners:
+            runner.pool_call("save_snapshot", req_pool_idx, slot, verify_row)
 
     def restore(self, slot: int, req_pool_idx: int) -> None:
-        for store, view in zip(self._store, self._views(req_pool_idx, None)):
-            view.copy_(store[slot])
+        for runner in self.runners:
+            runner.pool_call("restore_snapshot", slot, req_pool_idx)
 
     def copy_pages(self, src_pages: list[int], dst_pages: list[int]) -> None:
         if src_pages:
-            for pool in self.pools:
-                pool.copy_pages(src_pages, dst_pages)
+            for runner in self.runners:
+                runner.pool_call("copy_pages", list(src_pages), list(dst_pages))

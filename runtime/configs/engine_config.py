@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from runtime.configs.model_config import SUPPORTED_DTYPES, resolve_dtype
+from runtime.configs.parallel import ParallelLayout, parse_address
 from runtime.configs.speculative import SpeculativeConfig
 
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "assets" / "deepseek_v4_tiny"
@@ -95,6 +96,26 @@ class EngineConfig:
     constrained_json_disable_any_whitespace: bool = setting(
         False, "structured JSON output in compact layout (no free whitespace between tokens)"
     )
+    tp_size: int = setting(
+        1, "tensor-parallel ranks: attention heads, vocabulary and dense MLPs split", "--tp"
+    )
+    ep_size: int = setting(
+        1,
+        "expert-parallel ranks: routed experts split in blocks (a replica runs on "
+        "max(tp, ep) ranks, each expert's width split over the rest)",
+        "--ep",
+    )
+    nnodes: int = setting(1, "machines one replica spans")
+    node_rank: int = setting(0, "this machine's index among --nnodes (node 0 serves HTTP)")
+    dist_init_addr: str | None = setting(
+        None, "HOST:PORT where rank 0 listens for the others (default: a free loopback port)"
+    )
+    dist_timeout: int = setting(
+        120, "seconds a rendezvous or a collective may wait for the other ranks"
+    )
+    rank_heartbeat_timeout: float = setting(
+        20.0, "seconds a rank may go silent before the replica stops with an error naming it"
+    )
 
     # checks ------------------------------------------------------------------------------
     def speculative_config(self) -> SpeculativeConfig | None:
@@ -105,6 +126,9 @@ class EngineConfig:
             self.speculative_eagle_topk,
             self.speculative_num_draft_tokens,
         )
+
+    def parallel_layout(self) -> ParallelLayout:
+        return ParallelLayout(self.tp_size, self.ep_size)
 
     def resolve(self):
         """Fill the defaults that depend on other settings and reject bad ones, in place
@@ -130,10 +154,32 @@ class EngineConfig:
                 raise ValueError(message)
         return self
 
+    def _parallel_checks(self) -> list[tuple[bool, str]]:
+        world = self.parallel_layout().world_size  # ValueError for a bad tp/ep pair
+        if self.dist_init_addr is not None:
+            parse_address(self.dist_init_addr)  # ValueError for a malformed address
+        return [
+            (self.nnodes >= 1, "--nnodes must be >= 1"),
+            (
+                0 <= self.node_rank < self.nnodes,
+                f"--node-rank must be in [0, {self.nnodes}), got {self.node_rank}",
+            ),
+            (
+                world % self.nnodes == 0,
+                f"a replica of {world} ranks does not split over --nnodes {self.nnodes}",
+            ),
+            (
+                self.nnodes == 1 or self.dist_init_addr is not None,
+                "--nnodes > 1 needs --dist-init-addr HOST:PORT (node 0's address)",
+            ),
+            (self.dist_timeout >= 1, "--dist-timeout must be >= 1 second"),
+            (self.rank_heartbeat_timeout > 0, "--rank-heartbeat-timeout must be > 0"),
+        ]
+
     def _checks(self) -> list[tuple[bool, str]]:
         chunk = self.chunked_prefill_size
         dtypes = ", ".join(SUPPORTED_DTYPES)
-        return [
+        return self._parallel_checks() + [
             (
                 _known_dtype(self.dtype),
                 f"--dtype '{self.dtype}' is not supported; use one of {dtypes}",

@@ -24,9 +24,14 @@ class EngineInfo:
     speculative_num_steps: int | None = None
     speculative_eagle_topk: int | None = None
     speculative_num_draft_tokens: int | None = None
+    # what each rank of the replica holds after start-up: rank, pid, weights, kv_cache,
+    # peak_rss (bytes), device_allocated
+    rank_memory: tuple[dict, ...] = ()
 
     def to_json(self) -> dict:
-        return asdict(self)
+        out = asdict(self)
+        out["rank_memory"] = list(out["rank_memory"])
+        return out
 
 
 @dataclass(frozen=True)
@@ -34,6 +39,7 @@ class EngineStats:
     num_running_reqs: int = 0
     num_waiting_reqs: int = 0
     num_retractions: int = 0
+    num_finished_reqs: int = 0  # requests finished since start (any reason): a replica's share
     available_tokens: int = 0
     available_request_slots: int = 0
     token_usage: float = 0.0  # fraction of KV token slots in use (as SGLang: evictable is free)

@@ -65,7 +65,11 @@ def _spec_counters(req: Req, num_draft_tokens: int) -> SpecCounters:
 
 
 def engine_stats(
-    scheduler, slot_table: SlotTable, spec_stats=None, cache: PrefixCacheStats | None = None
+    scheduler,
+    slot_table: SlotTable,
+    spec_stats=None,
+    num_finished_reqs: int = 0,
+    cache: PrefixCacheStats | None = None,
 ) -> EngineStats:
     """Load, prefix cache and speculative counters right now; `spec_stats` is the NEXTN
     worker's engine-wide `SpecStats` (None for plain decoding)."""
@@ -95,6 +99,7 @@ def engine_stats(
         num_running_reqs=len(scheduler.running),
         num_waiting_reqs=len(scheduler.waiting),
         num_retractions=scheduler.num_retractions,
+        num_finished_reqs=num_finished_reqs,
         available_tokens=available,
         available_request_slots=slot_table.req_pool.available(),
         token_usage=1 - (available + evictable) / max(1, allocator.capacity_tokens),

@@ -6,6 +6,8 @@ requests, and nothing a request sends can stop the server."""
 
 from __future__ import annotations
 
+import contextlib
+
 from fastapi import FastAPI
 
 from runtime.core.version import package_version
@@ -20,7 +22,15 @@ from runtime.server_args import ServerArgs
 def create_app(
     engine: AsyncEngine, args: ServerArgs, metrics: ServerMetrics | None = None
 ) -> FastAPI:
-    app = FastAPI(title="nextn-runtime", version=package_version())
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: FastAPI):
+        yield
+        # uvicorn re-raises SIGTERM after its graceful shutdown, so stopping the engine
+        # loop and the replica's other ranks happens here, not after `uvicorn.run`
+        engine.shutdown()
+        engine.engine.shutdown()
+
+    app = FastAPI(title="nextn-runtime", version=package_version(), lifespan=lifespan)
     model_name = args.served_model_name or public_name(engine.info.model_path)
     app.state.server = ServerState(engine, args, metrics, model_name)
     install_api_key_check(app, args.api_key)

@@ -12,10 +12,10 @@ from runtime.cache.deepseek_v4_pool import DeepseekV4CacheLayout, DeepseekV4KVPo
 from runtime.cache.pool_geometry import PoolGeometry
 from runtime.cache.qwen4_exp_pool import Qwen4ExpCacheLayout, Qwen4ExpKVPool
 from runtime.cache.radix_cache import RadixCache
-from runtime.cache.state_snapshots import StateSnapshots
+from runtime.cache.state_snapshots import RequestStateSnapshots, StateSnapshots
 
 
-class OneRowPool:
+class OneRowPool(RequestStateSnapshots):
     """A pool with one float per request (enough for the tree's bookkeeping)."""
 
     def __init__(self, max_reqs=8):
@@ -28,9 +28,21 @@ class OneRowPool:
         pass
 
 
+class LocalRunner:
+    """What the prefix cache needs of a model runner: its pool, and calls on it."""
+
+    def __init__(self, pool):
+        self.kv_pool = pool
+
+    def pool_call(self, method, *args):
+        return getattr(self.kv_pool, method)(*args)
+
+
 def tree(pages=32, page_size=2, unit=4, slots=4):
     allocator = PagedTokenAllocator(pages, page_size)
-    return RadixCache(unit, allocator, StateSnapshots([OneRowPool()], slots)), allocator
+    pool = OneRowPool()
+    pool.allocate_snapshots(slots)
+    return RadixCache(unit, allocator, StateSnapshots([LocalRunner(pool)], slots)), allocator
 
 
 def take(allocator, count):
@@ -178,7 +190,10 @@ def qwen_pool():
 
 
 def randomise(pool):
-    for value in vars(pool).values():
+    """Random contents in every cache buffer (the snapshot slots are left alone)."""
+    for name, value in vars(pool).items():
+        if name == "_snapshot_store":
+            continue
         buffers = value if isinstance(value, list) else getattr(value, "values", lambda: [])()
         for buf in buffers:
             if isinstance(buf, torch.Tensor):
@@ -189,7 +204,8 @@ def randomise(pool):
 def test_snapshots_round_trip_exactly_the_per_request_rows(make):
     pool = make()
     randomise(pool)
-    store = StateSnapshots([pool], num_slots=2)
+    pool.allocate_snapshots(2)
+    store = StateSnapshots([LocalRunner(pool)], num_slots=2)
     before = [v.clone() for v in pool.request_state(0)]
     untouched = [v.clone() for v in pool.request_state(2)]
     slot = store.alloc()
@@ -207,7 +223,8 @@ def test_snapshots_round_trip_exactly_the_per_request_rows(make):
 def test_qwen_snapshot_of_a_verify_row_takes_that_rows_recurrent_state():
     pool = qwen_pool()
     randomise(pool)
-    store = StateSnapshots([pool], num_slots=1)
+    pool.allocate_snapshots(1)
+    store = StateSnapshots([LocalRunner(pool)], num_slots=1)
     store.save(1, 0, verify_row=2)
     store.restore(0, 0)
     layer = next(iter(pool.ssm_state))
