@@ -1,5 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
-"""`launch_server` / `python -m runtime.launch_server`: parse flags, load, serve over HTTP."""
+"""`launch_server` / `python -m runtime.launch_server`: parse flags, load, serve over HTTP.
+
+With `--tp-size` / `--ep-size` above 1 this process is rank 0 of the replica and starts the
+other ranks of this machine; with `--nnodes N --node-rank K` (K > 0) it runs machine K's
+ranks only (no HTTP) and exits when rank 0 does.
+"""
 
 from __future__ import annotations
 
@@ -78,12 +83,23 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(
         level=args.log_level.upper(), format="[%(asctime)s] %(levelname)s %(name)s: %(message)s"
     )
+    if args.node_rank > 0:
+        from runtime.engine.ranks import run_node
+
+        print(
+            f"node {args.node_rank}/{args.nnodes}: starting ranks for the replica at "
+            f"{args.dist_init_addr}",
+            flush=True,
+        )
+        raise SystemExit(run_node(args.engine_config()))
     try:
         app, engine = build(args)
     except (ValueError, FileNotFoundError) as err:
         print(f"launch_server: error: {err}", file=sys.stderr)
         raise SystemExit(1) from None
     info = engine.info
+    for report in engine.rank_memory:
+        print(report.describe(), flush=True)
     print(
         f"KV cache capacity: {info.max_total_tokens} tokens (page size {info.page_size}), "
         f"{info.max_running_requests} request slots, {info.kv_cache_bytes / 2**20:.1f} MiB",

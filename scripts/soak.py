@@ -22,7 +22,8 @@ First `/health` is timed while 2 MB prompts (text, token ids, chat) are sent and
 then, during the mix, `/health` is timed every 0.25 s and the server's memory sampled.
 The report: requests per kind and status, every 5xx and every unexpected answer, /health
 latency, RSS at start / end / peak, and the slots and token slots not back after the
-server went idle. The exit status is 1 when any 5xx, unexpected answer or leak was seen.
+server went idle and `/flush_cache` emptied its prefix cache. The exit status is 1 when
+any 5xx, unexpected answer or leak was seen.
 
     python -m scripts.soak --minutes 10 --server-args "--speculative-algorithm NEXTN"
     python -m scripts.soak --url http://127.0.0.1:30000 --server-pid 1234 --minutes 2
@@ -377,6 +378,8 @@ def monitor(server: Server, tally: Tally, stop: threading.Event) -> None:
 
 
 def idle_state(client: Client, timeout: float = 120.0) -> dict:
+    """The server's state once nothing runs, after `/flush_cache` gave back the pages the
+    prefix cache kept (what it held is reported as `cache_tokens_before_flush`)."""
     deadline = time.monotonic() + timeout
     while True:
         info = requests.get(
@@ -384,6 +387,14 @@ def idle_state(client: Client, timeout: float = 120.0) -> dict:
         ).json()
         state = info["internal_states"][0]
         if state["num_running_reqs"] == 0 and state["num_waiting_reqs"] == 0:
+            cached = state.get("cache_tokens", 0)
+            flushed = client.post("/flush_cache", timeout=30).status_code == 200
+            info = requests.get(client.url + "/get_server_info", headers=client.headers).json()
+            state = {
+                **info["internal_states"][0],
+                "cache_tokens_before_flush": cached,
+                "flushed": flushed,
+            }
             return {
                 **state,
                 "max_total_tokens": info["max_total_tokens"],
@@ -443,6 +454,8 @@ def report(
         "leaked_request_slots": leaked_slots,
         "idle_at_end": not state.get("not_idle", False),
         "num_retractions": state.get("num_retractions"),
+        "prefix_cache_tokens_before_flush": state.get("cache_tokens_before_flush"),
+        "prefix_cache_hit_rate": state.get("cache_hit_rate"),
         "avg_spec_accept_length": state.get("avg_spec_accept_length"),
         "health_during_2mb_prompts": probe,
     }

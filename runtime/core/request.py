@@ -63,6 +63,7 @@ class Req:
     output_ids: list[int] = field(default_factory=list)
     req_pool_idx: int | None = None
     num_cached: int = 0  # tokens of `all_ids` whose KV is in the cache
+    cached_tokens: int = 0  # prompt tokens the prefix cache served when it was admitted
     finish_reason: FinishReason | None = None
     created_at: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None

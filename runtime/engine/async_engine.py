@@ -237,6 +237,7 @@ class AsyncEngine:
             value, error = fn(), None
         except Exception as err:  # noqa: BLE001 - handed to the caller, not raised here
             value, error = None, err
+        self._stats = self.engine.stats()  # e.g. a flushed cache shows before the answer
 
         def settle() -> None:
             if future.done():  # the caller timed out meanwhile

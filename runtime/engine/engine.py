@@ -22,19 +22,18 @@ import uuid
 
 import torch
 
-from runtime.cache.allocator import PagedTokenAllocator
-from runtime.cache.req_to_token_pool import ReqToTokenPool
-from runtime.cache.slot_table import SlotTable
+from runtime.cache.prefix_cache import PrefixCache, RadixPrefixCache
 from runtime.configs.engine_config import DEFAULT_MODEL_DIR, EngineConfig, default_model_path
-from runtime.configs.model_config import ModelConfig
 from runtime.core.errors import InvalidRequestError
 from runtime.core.request import FinishReason, Req
 from runtime.core.result import RequestResult
 from runtime.core.sampling_params import SamplingParams
 from runtime.core.stats import EngineInfo, EngineStats
 from runtime.engine.fanout import fan_out
+from runtime.engine.ranks import RankMemory, ReplicaLeader, memory_report
 from runtime.engine.request_limits import RequestLimits, longest_token_chars
 from runtime.engine.results import engine_stats, request_result
+from runtime.engine.setup import engine_setup
 from runtime.engine.sglang_output import render_generate
 from runtime.engine.tokenizer import load_tokenizer
 from runtime.engine.worker_factory import build_worker
@@ -52,13 +51,23 @@ class Engine:
         `Engine(model_path=..., dtype="float32", speculative_algorithm="NEXTN")`."""
         config = dataclasses.replace(config or EngineConfig(), **overrides).resolve()
         self.config, self.model_path = config, config.model_path
-        self.spec_config = config.speculative_config()
-        self.model_config = ModelConfig.from_path(
-            config.model_path, config.dtype, config.context_length
-        )
+        self.num_finished_reqs = 0
+        # rank 0 of a multi-rank replica: the other ranks start (and are watched) from here
+        self.leader = ReplicaLeader(config) if config.parallel_layout().world_size > 1 else None
+        try:
+            self._build(config, progress)
+        except BaseException:
+            if self.leader is not None:
+                self.leader.shutdown()
+            raise
+
+    def _build(self, config: EngineConfig, progress: bool) -> None:
+        leader = self.leader
+        device = leader.device if leader is not None else config.device
+        setup = engine_setup(config, device)
+        self.spec_config, self.model_config = setup.spec_config, setup.model_config
         self.context_length = self.model_config.context_length
-        pass_width = self.spec_config.num_draft_tokens if self.spec_config else 1
-        self.slot_table = self._slot_table(pass_width)
+        self.slot_table = setup.slot_table
         self.eos_ids = set(self.model_config.eos_token_ids)  # shared by worker and scheduler
         generator = None
         if config.random_seed is not None:
@@ -69,20 +78,30 @@ class Engine:
             self.spec_config,
             self.eos_ids,
             generator,
-            device=config.device,
+            device=device,
             progress=progress,
+            mapping=leader.mapping if leader is not None else None,
+            broadcaster=leader.attach(self.slot_table.req_to_token) if leader else None,
+            snapshot_slots=setup.snapshot_slots,
+        )
+        runners = [self.runner] + ([self.worker.drafter.runner] if self.spec_config else [])
+        self.rank_memory: list[RankMemory] = (
+            leader.gather_memory(runners) if leader is not None else [memory_report(0, runners)]
         )
         self.tokenizer = (
             None
             if config.skip_tokenizer_init
             else load_tokenizer(config.tokenizer_path or config.model_path)
         )
+        self.prefix_cache = self._prefix_cache()
         self.scheduler = Scheduler(
             self.worker,
             self.slot_table,
             self.eos_ids,
             config.max_running_requests,
             config.chunked_prefill_size,
+            self.prefix_cache,
+            step_failure_is_fatal=self._replica_out_of_step,
         )
         self.info = self._info()
         self.limits = RequestLimits(
@@ -97,26 +116,28 @@ class Engine:
         self._grammar_backend = None
         self._grammar_lock = threading.Lock()
         logger.info(
-            "KV cache: %d token slots in pages of %d, %d request slots, %.1f MiB; speculative: %s",
+            "KV cache: %d token slots in pages of %d, %d request slots, %.1f MiB; speculative: "
+            "%s; prefix cache: %s",
             self.info.max_total_tokens,
             self.info.page_size,
             self.info.max_running_requests,
             self.info.kv_cache_bytes / 2**20,
             self.spec_config,
+            self.prefix_cache.describe(),
         )
 
-    def _slot_table(self, pass_width: int) -> SlotTable:
-        config = self.config
-        num_pages = config.max_total_tokens // config.page_size
-        # room for the positions a speculative round writes past the context end
-        max_context = (
-            min(self.context_length, num_pages * config.page_size)
-            + 2 * pass_width
-            + config.page_size
-        )
-        return SlotTable(
-            ReqToTokenPool(config.max_running_requests, max_context, config.device),
-            PagedTokenAllocator(num_pages, config.page_size, config.device),
+    def _prefix_cache(self) -> PrefixCache:
+        """The radix cache over every runner a request's state lives in: the target's and,
+        when speculating, the MTP draft's (so a resumed request drafts as well as a fresh
+        one), or no sharing with `disable_radix_cache`."""
+        if self.config.disable_radix_cache:
+            return PrefixCache(self.slot_table)
+        runners = [self.runner] + ([self.worker.drafter.runner] if self.spec_config else [])
+        return RadixPrefixCache(
+            self.slot_table,
+            runners,
+            snapshot_slots=self.config.radix_snapshot_slots,
+            snapshot_interval=self.config.radix_snapshot_interval,
         )
 
     def _info(self) -> EngineInfo:
@@ -132,6 +153,7 @@ class Engine:
             speculative_num_steps=spec.num_steps if spec else None,
             speculative_eagle_topk=spec.eagle_topk if spec else None,
             speculative_num_draft_tokens=spec.num_draft_tokens if spec else None,
+            rank_memory=tuple(report.to_json() for report in self.rank_memory),
         )
 
     @property
@@ -311,6 +333,7 @@ class Engine:
     def add_request(self, req: Req) -> None:
         if req.sampling_params.max_new_tokens == 0 and not self._scores_prompt(req):
             req.finish(FinishReason("length", length=0))  # nothing to compute
+            self.num_finished_reqs += 1
             return
         self.scheduler.add_request(req)
 
@@ -320,22 +343,50 @@ class Engine:
         return req.return_logprob and 0 <= req.logprob_start_len < len(req.prompt_ids)
 
     def step(self) -> list[Req]:
-        return self.scheduler.step()
+        try:
+            touched = self.scheduler.step()
+        except Exception as err:
+            broadcaster = self.leader.broadcaster if self.leader is not None else None
+            if broadcaster is not None and broadcaster.in_flight:
+                # the other ranks are inside a forward rank 0 did not finish: they can no
+                # longer be told apart from the next one, so the replica stops here
+                self.leader.fail_in_forward(err)
+            raise
+        self.num_finished_reqs += sum(req.finished for req in touched)
+        return touched
+
+    def _replica_out_of_step(self, error: Exception) -> bool:
+        """A step failed while the other ranks of the replica were inside its forward: the
+        scheduler cannot re-run anything (see `step`)."""
+        broadcaster = self.leader.broadcaster if self.leader is not None else None
+        return broadcaster is not None and broadcaster.in_flight
+
+    def shutdown(self) -> None:
+        """Stop the other ranks of a multi-rank replica (nothing to do on one rank)."""
+        if self.leader is not None:
+            self.leader.shutdown()
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
     def abort(self, rid: str, message: str = "aborted by the client") -> Req | None:
-        return self.scheduler.abort(rid, message)
+        req = self.scheduler.abort(rid, message)
+        self.num_finished_reqs += req is not None
+        return req
 
     def abort_all(self, message: str) -> list[Req]:
         """Abort every waiting and running request (a shutdown, a scheduler failure)."""
-        return self.scheduler.abort_all(message)
+        reqs = self.scheduler.abort_all(message)
+        self.num_finished_reqs += len(reqs)
+        return reqs
 
     def flush_cache(self) -> bool:
-        """SGLang's `/flush_cache`. There is no prefix cache to drop yet; like SGLang it is
+        """SGLang's `/flush_cache`: drop everything the prefix cache holds. Like SGLang it is
         refused (False) while requests are in flight."""
-        return not self.has_work()
+        if self.has_work():
+            return False
+        self.prefix_cache.reset()
+        return True
 
     def generate(
         self,
@@ -393,4 +444,10 @@ class Engine:
         """Load and speculative counters right now. Call on the engine's thread; other
         threads read `AsyncEngine.stats`, the snapshot it publishes after every step."""
         spec_stats = self.worker.stats if self.spec_config else None
-        return engine_stats(self.scheduler, self.slot_table, spec_stats)
+        return engine_stats(
+            self.scheduler,
+            self.slot_table,
+            spec_stats,
+            self.num_finished_reqs,
+            self.prefix_cache.stats(),
+        )

@@ -7,7 +7,7 @@ shuts down, what is still running is aborted and the engine loop stops."""
 
 from __future__ import annotations
 
-from contextlib import asynccontextmanager
+import contextlib
 
 from fastapi import FastAPI
 
@@ -24,11 +24,13 @@ from runtime.server_args import ServerArgs
 def create_app(
     engine: AsyncEngine, args: ServerArgs, metrics: ServerMetrics | None = None
 ) -> FastAPI:
-
-    @asynccontextmanager
+    @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI):
         yield
+        # uvicorn re-raises SIGTERM after its graceful shutdown, so stopping the engine
+        # loop (what is left is aborted) and the replica's other ranks happens here
         engine.shutdown("the server is shutting down")
+        engine.engine.shutdown()
 
     app = FastAPI(title="nextn-runtime", version=package_version(), lifespan=lifespan)
     model_name = args.served_model_name or public_name(engine.info.model_path)

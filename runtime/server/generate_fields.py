@@ -45,6 +45,7 @@ HINTS = frozenset(
         "data_parallel_rank",
         "routed_dp_rank",
         "http_worker_ipc",
+        "model",  # sglang-router forwards its model id (null with one model) for routing
     }
 )
 

@@ -93,14 +93,15 @@ def chat_logprobs(result: RequestResult, tokenizer, start: int = 0) -> dict:
 
 
 def usage(results: list[RequestResult], n: int) -> dict:
-    """Token counts; each prompt counts once however many choices (`n`) it has."""
+    """Token counts; each prompt counts once however many choices (`n`) it has, its prompt
+    and cached tokens those of its first choice (as SGLang's OpenAI serving sums them)."""
     prompt = sum(r.prompt_tokens for r in results[::n])
     completion = sum(r.completion_tokens for r in results)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": 0},
+        "prompt_tokens_details": {"cached_tokens": sum(r.cached_tokens for r in results[::n])},
     }
 
 

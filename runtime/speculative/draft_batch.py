@@ -34,6 +34,9 @@ class DraftBatch:
     # [bs] tokens this step emits that the request's grammar has not seen yet (drafting under
     # a grammar starts from the state after them); None: no request has a grammar
     pending_tokens: list[list[int]] | None = None
+    # which rows of the target's latest output `target_hidden` holds (None: all of them), so
+    # the other ranks of a replica can take them from their own copy
+    target_rows: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:
@@ -90,4 +93,5 @@ class DraftBatch:
             [g - k for g, k in zip(self.gather_rows, skip)],
             self.propose,
             self.pending_tokens,
+            kept if self.target_rows is None else self.target_rows[kept],
         )

@@ -17,7 +17,7 @@ import torch
 
 from runtime.core.forward_mode import CaptureHiddenMode, ForwardMode
 from runtime.core.model_output import LogitsProcessorOutput
-from runtime.execution.model_runner import ModelInput, ModelRunner
+from runtime.execution.model_runner import TARGET, HiddenRows, ModelInput, ModelRunner
 from runtime.speculative.draft_batch import DraftBatch
 
 
@@ -71,6 +71,7 @@ class MTPDrafter:
                 capture_hidden_mode=CaptureHiddenMode.LAST,
                 captured_hidden_states=batch.target_hidden,
                 logits_row_indices=batch.gather_indices(),
+                hidden_rows=HiddenRows(TARGET, batch.target_rows),
             )
         )
 
@@ -88,6 +89,8 @@ class MTPDrafter:
         pools = [batch.reqs[b].req_pool_idx for b in keep]
         positions = [batch.first_chain_position(b) for b in keep]
         drafts = [tokens]
+        own = self.runner.role
+        rows = HiddenRows(own, torch.tensor(keep))  # the extend's rows of proposing requests
         for step in range(1, self.num_steps):
             out = self.runner.forward(
                 ModelInput(
@@ -99,9 +102,11 @@ class MTPDrafter:
                     capture_hidden_mode=CaptureHiddenMode.LAST,
                     captured_hidden_states=hidden,
                     spec_step_idx=step,
+                    hidden_rows=rows,
                 )
             )
             tokens, hidden = pick(out.next_token_logits), out.hidden_states
+            rows = HiddenRows(own)
             drafts.append(tokens)
             positions = [p + 1 for p in positions]
         return torch.stack(drafts, dim=1)

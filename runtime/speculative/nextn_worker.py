@@ -74,6 +74,7 @@ class SpecStats:
 
 class NextNWorker:
     supports_mixed = False
+    needs_drafts = True  # a request decodes once a prefill step has drafted for it
 
     def __init__(
         self,
@@ -152,7 +153,7 @@ class NextNWorker:
     def _commit(self, reqs: Sequence[Req], result: VerifyResult) -> None:
         """Recurrent caches keep the state after the last accepted row; positional caches
         need nothing (see the module docstring)."""
-        self.target.kv_pool.commit_verified(
+        self.target.commit_verified(
             torch.tensor([r.req_pool_idx for r in reqs]), result.num_accepted
         )
 

@@ -70,11 +70,13 @@ def poison(engine: Engine, fail_from: int, after_forward: bool = True, times: in
 
 def run(engine: Engine, reqs) -> None:
     table = engine.slot_table
+    assert engine.flush_cache()
     start = table.allocator.available_tokens(), table.req_pool.available()
     for req in reqs:
         engine.add_request(req)
     while engine.has_work():
         engine.step()
+    assert engine.flush_cache()  # the prefix cache gives back every page it kept
     assert (table.allocator.available_tokens(), table.req_pool.available()) == start
     assert start == (table.allocator.capacity_tokens, table.req_pool.max_reqs)
 
@@ -109,6 +111,17 @@ def check_isolated(path, prompts, params, fail_at, after_forward=True, **kw):
 def test_a_step_failing_for_one_request_fails_only_that_request(v4_ckpt, spec, fail_at):
     prompts = make_prompts(7, seed=2, low=4, high=30)
     check_isolated(v4_ckpt, prompts, GREEDY, fail_at, spec=spec, chunked_prefill_size=16)
+
+
+@pytest.mark.parametrize("spec", [False, True])
+def test_isolation_with_prefixes_shared_through_the_prefix_cache(v4_ckpt, spec):
+    """Prompts that share 40 tokens: the suspects re-run from the prefix cache's pages and
+    state snapshots, which the failed forward never wrote (a request only writes positions
+    past its cached prefix), and nothing the failed step computed is cached."""
+    common = make_prompts(1, seed=12, low=40, high=41)[0]
+    prompts = [common + tail for tail in make_prompts(7, seed=13, low=2, high=12)]
+    engine = check_isolated(v4_ckpt, prompts, GREEDY, 4, spec=spec, radix_snapshot_interval=8)
+    assert engine.prefix_cache.hit_tokens > 0  # some requests did start from the cache
 
 
 def test_a_failure_before_the_forward_is_isolated_too(v4_ckpt):

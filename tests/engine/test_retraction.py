@@ -54,12 +54,14 @@ def just_fitting_pool(prompts, page_size: int) -> int:
 def run_all(engine: Engine, prompts, params) -> list:
     """Every prompt queued at once, run to the end; asserts every slot came back."""
     table = engine.slot_table
+    assert engine.flush_cache()
     free_tokens, free_slots = table.allocator.available_tokens(), table.req_pool.available()
     reqs = [engine.make_request(p, params) for p in prompts]
     for req in reqs:
         engine.add_request(req)
     while engine.has_work():
         engine.step()
+    assert engine.flush_cache()  # the prefix cache gives back every page it kept
     assert table.allocator.available_tokens() == free_tokens
     assert table.req_pool.available() == free_slots
     return reqs
@@ -206,6 +208,7 @@ def test_seeded_sampling_does_not_depend_on_retraction_or_batch(ckpt, prompts, s
     while engine.has_work():
         engine.step()
     assert engine.scheduler.num_retractions > 0
+    assert engine.flush_cache()
     assert (table.allocator.available_tokens(), table.req_pool.available()) == start
     assert [r.output_ids for r in reqs] == alone
 
