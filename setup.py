@@ -23,6 +23,9 @@ setup(
         "uvicorn>=0.29",
         "prometheus-client>=0.20",
         "pydantic>=2",
+        "jinja2>=3.1",  # chat templates (transformers renders them with it)
+        # structured output (json_schema / regex / ebnf); CPU wheels, as SGLang and vLLM use
+        "xgrammar>=0.1.25",
     ],
     extras_require={
         "test": [
@@ -33,6 +36,7 @@ setup(
             "openai>=1.30",
             "requests>=2.31",
             "matplotlib>=3.7",
+            "jsonschema>=4",
         ],
     },
     entry_points={"console_scripts": ["launch_server=runtime.launch_server:main"]},

@@ -1,11 +1,18 @@
 # SPDX-License-Identifier: Apache-2.0
-"""`launch_server` / `python -m runtime.launch_server`: parse flags, load, serve over HTTP."""
+"""`launch_server` / `python -m runtime.launch_server`: parse flags, load, serve over HTTP.
+
+With `--tp-size` / `--ep-size` above 1 this process is rank 0 of the replica and starts the
+other ranks of this machine; with `--nnodes N --node-rank K` (K > 0) it runs machine K's
+ranks only (no HTTP) and exits when rank 0 does.
+"""
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import sys
+import threading
 
 # Spinning OpenMP workers starve each other (and the HTTP threads) when the CPU is shared;
 # must be set before torch loads.
@@ -14,6 +21,40 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 from runtime.server_args import ServerArgs
 
 logger = logging.getLogger("runtime.launch_server")
+
+# After the grace period the engine aborts what is left; the handlers then answer their
+# clients (finish reason "abort") within this many seconds, or uvicorn cancels them.
+ABORT_DRAIN_S = 5.0
+
+
+def graceful_server(app, args: ServerArgs):
+    """A uvicorn server whose SIGTERM / SIGINT waits `--graceful-shutdown-timeout` seconds
+    for running requests, then aborts them in the engine (their clients get what was
+    generated so far) and exits; a second signal exits at once (uvicorn's own rule)."""
+    import uvicorn
+
+    engine = app.state.server.engine
+    grace = args.graceful_shutdown_timeout
+
+    class GracefulServer(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            first = not self.should_exit
+            super().handle_exit(sig, frame)
+            if first:
+                logger.info("shutting down: running requests get %.0f s to finish", grace)
+                message = "the server is shutting down (--graceful-shutdown-timeout passed)"
+                timer = threading.Timer(grace, engine.abort_all, args=(message,))
+                timer.daemon = True
+                timer.start()
+
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level.lower(),
+        timeout_graceful_shutdown=math.ceil(grace + ABORT_DRAIN_S),
+    )
+    return GracefulServer(config)
 
 
 def build(args: ServerArgs):
@@ -26,8 +67,9 @@ def build(args: ServerArgs):
     metrics = None
     if args.enable_metrics:
         from runtime.server.metrics import ServerMetrics
+        from runtime.server.state import public_name
 
-        metrics = ServerMetrics(args.served_model_name or engine.model_path)
+        metrics = ServerMetrics(args.served_model_name or public_name(engine.model_path))
     async_engine = AsyncEngine(engine, on_step=metrics.observe_step if metrics else None)
     return create_app(async_engine, args, metrics), engine
 
@@ -41,12 +83,23 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(
         level=args.log_level.upper(), format="[%(asctime)s] %(levelname)s %(name)s: %(message)s"
     )
+    if args.node_rank > 0:
+        from runtime.engine.ranks import run_node
+
+        print(
+            f"node {args.node_rank}/{args.nnodes}: starting ranks for the replica at "
+            f"{args.dist_init_addr}",
+            flush=True,
+        )
+        raise SystemExit(run_node(args.engine_config()))
     try:
         app, engine = build(args)
     except (ValueError, FileNotFoundError) as err:
         print(f"launch_server: error: {err}", file=sys.stderr)
         raise SystemExit(1) from None
     info = engine.info
+    for report in engine.rank_memory:
+        print(report.describe(), flush=True)
     print(
         f"KV cache capacity: {info.max_total_tokens} tokens (page size {info.page_size}), "
         f"{info.max_running_requests} request slots, {info.kv_cache_bytes / 2**20:.1f} MiB",
@@ -63,13 +116,11 @@ def main(argv: list[str] | None = None) -> None:
         ),
         flush=True,
     )
-    import uvicorn
-
     print(
         f"serving {args.served_model_name or engine.model_path} on http://{args.host}:{args.port}",
         flush=True,
     )
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower())
+    graceful_server(app, args).run()
 
 
 if __name__ == "__main__":

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from runtime.configs.engine_config import EngineConfig, setting
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+DEFAULT_MAX_BODY_SIZE = 32 * 2**20  # bytes: a full context as JSON token ids, many times over
+DEFAULT_GRACEFUL_SHUTDOWN_TIMEOUT = 30.0  # seconds
 
 
 @dataclass
@@ -22,6 +24,13 @@ class ServerArgs(EngineConfig):
     enable_metrics: bool = setting(False, "expose Prometheus metrics at /metrics")
     log_level: str = setting("info", "debug, info, warning, error or critical")
     served_model_name: str | None = setting(None, "model name in the API (default: the path)")
+    max_body_size: int = setting(
+        DEFAULT_MAX_BODY_SIZE, "largest request body in bytes; larger ones get 413"
+    )
+    graceful_shutdown_timeout: float = setting(
+        DEFAULT_GRACEFUL_SHUTDOWN_TIMEOUT,
+        "seconds SIGTERM waits for running requests before aborting them and exiting",
+    )
 
     def resolve(self) -> ServerArgs:
         """Fill defaults that depend on other flags and reject bad combinations (ValueError,
@@ -29,6 +38,12 @@ class ServerArgs(EngineConfig):
         super().resolve()
         if not 1 <= self.port <= 65535:
             raise ValueError(f"--port {self.port} is not a valid TCP port")
+        if self.max_body_size < 1:
+            raise ValueError(f"--max-body-size must be >= 1 byte, got {self.max_body_size}")
+        if not self.graceful_shutdown_timeout >= 0:
+            raise ValueError(
+                f"--graceful-shutdown-timeout must be >= 0, got {self.graceful_shutdown_timeout}"
+            )
         if self.log_level.upper() not in LOG_LEVELS:
             raise ValueError(
                 f"unknown --log-level {self.log_level}; use debug, info, warning, error or critical"

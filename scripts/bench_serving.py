@@ -16,6 +16,16 @@ Backends: `sglang` (native `/generate`, random prompts sent as `input_ids`), `sg
 (`/v1/completions`) and `sglang-oai-chat` (`/v1/chat/completions`), both with random text.
 Streaming and ignore_eos are on unless `--disable-stream` / `--disable-ignore-eos`.
 
+`--dataset-name multiturn` (native backend): `--num-prompts` conversations of
+`--multiturn-turns` turns that all start with one `--multiturn-system-len`-token system
+prompt; turn k+1 resends turns 1..k with the server's answers. The result adds the prefix
+cache hit rate (the server's `cached_tokens` over prompt tokens) and TTFT of first turns
+and of later ones; `--compare-radix-cache` runs every variant with the cache off and on:
+
+    python -m scripts.bench_serving --launch-server --compare --compare-radix-cache \
+        --dataset-name multiturn --num-prompts 16 --multiturn-turns 4 \
+        --multiturn-system-len 1024 --random-input-len 32 --random-output-len 32
+
 Timing (`scripts.bench.serving_client`): TTFT is the first chunk that carries tokens, ITL
 spreads each chunk's gap over the tokens it carried, TPOT = (E2E - TTFT) / (output tokens
 - 1).
@@ -24,19 +34,25 @@ spreads each chunk's gap over the tokens it carried, TPOT = (E2E - TTFT) / (outp
 from __future__ import annotations
 
 import argparse
+import random
 import sys
 import time
 
 from scripts.bench import flags
 from scripts.bench.datasets import (
     BenchRequest,
+    Conversation,
     load_tokenizer,
     model_vocab_size,
+    multiturn_conversations,
+    random_token_ids,
     requests_from_args,
 )
 from scripts.bench.launched_server import LaunchedServer
 from scripts.bench.report import (
     append_jsonl,
+    multiturn_metrics,
+    print_cache_ratios,
     print_serving_ratios,
     print_serving_result,
     serving_metrics,
@@ -45,12 +61,13 @@ from scripts.bench.serving_client import (
     BACKENDS,
     check_reachable,
     http_get_json,
+    run_conversations,
     run_requests,
     send_request,
     served_model_name,
     server_accept_length,
 )
-from scripts.bench.variants import Variant, build_variants
+from scripts.bench.variants import Variant, build_variants, with_and_without_radix_cache
 
 DEFAULT_PORT = 30000  # launch_server's
 
@@ -71,7 +88,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--tokenizer", help="tokenizer for random text (default: the server's model path)"
     )
-    flags.add_dataset_args(p, num_prompts=50)
+    flags.add_dataset_args(p, num_prompts=50, multiturn=True)
     p.add_argument(
         "--request-rate",
         type=float,
@@ -93,6 +110,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--server-args", default="", help="extra launch_server flags, one string")
     p.add_argument(
+        "--compare-radix-cache",
+        action="store_true",
+        help="run every variant with the prefix cache off, then on, and print on/off ratios",
+    )
+    p.add_argument(
         "--server-timeout",
         type=float,
         default=600.0,
@@ -106,7 +128,37 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--request-rate must be > 0 (inf: all at once)")
     if args.compare and not args.launch_server:
         p.error("--compare needs --launch-server (one server per variant)")
+    if args.compare_radix_cache and not args.launch_server:
+        p.error("--compare-radix-cache needs --launch-server (one server per variant)")
+    if args.dataset_name == "multiturn" and args.backend != "sglang":
+        p.error("--dataset-name multiturn resends token ids: use --backend sglang")
     return args
+
+
+def server_vocab_size(info: dict) -> int:
+    return info.get("vocab_size") or model_vocab_size(info.get("model_path"), None)
+
+
+def build_conversations(args, info: dict) -> list[Conversation]:
+    vocab = server_vocab_size(info)
+    return multiturn_conversations(
+        args.seed,
+        args.num_prompts,
+        args.multiturn_turns,
+        args.multiturn_system_len,
+        args.random_input_len,
+        args.random_output_len,
+        args.random_range_ratio,
+        vocab,
+    )
+
+
+def warmup_request(args, info: dict) -> BenchRequest:
+    """A multi-turn run warms up with a prompt that shares nothing with the conversations
+    (so no variant starts with their system prompt cached)."""
+    vocab = server_vocab_size(info)
+    ids = random_token_ids(random.Random(args.seed + 1), max(8, args.random_input_len), vocab)
+    return BenchRequest(None, ids, len(ids), min(8, args.random_output_len))
 
 
 def build_dataset(args, info: dict) -> list[BenchRequest]:
@@ -122,7 +174,8 @@ def build_dataset(args, info: dict) -> list[BenchRequest]:
         tokenizer = load_tokenizer(tokenizer_path)
     vocab = None
     if args.dataset_name == "random" and not text:
-        vocab = model_vocab_size(info.get("model_path"), tokenizer)
+        # the server reports its vocabulary (its model path is a name, not a local path)
+        vocab = info.get("vocab_size") or model_vocab_size(info.get("model_path"), tokenizer)
     return requests_from_args(args, vocab_size=vocab, tokenizer=tokenizer, text=text)
 
 
@@ -130,7 +183,8 @@ def benchmark(args, base_url: str, variant: Variant | None) -> dict:
     """Warm up, run the dataset against `base_url`, print and record the result."""
     info = http_get_json(base_url, "/get_server_info")
     model = served_model_name(base_url, args.served_model) if args.backend != "sglang" else None
-    dataset = build_dataset(args, info)
+    multiturn = args.dataset_name == "multiturn"
+    dataset = build_conversations(args, info) if multiturn else build_dataset(args, info)
     spec = info.get("speculative_algorithm")
     label = (
         variant.label
@@ -139,17 +193,25 @@ def benchmark(args, base_url: str, variant: Variant | None) -> dict:
     )
     print(
         f"\nserver {base_url}: model {info.get('model_path')}, dtype {info.get('dtype')}, "
-        f"decoding {label}, {len(dataset)} prompts, backend {args.backend}"
+        f"decoding {label}, {len(dataset)} {'conversations' if multiturn else 'prompts'}, "
+        f"backend {args.backend}"
     )
     for _ in range(args.warmup_requests):
-        warm = send_request(base_url, args, dataset[0], model)
+        warm = send_request(
+            base_url, args, warmup_request(args, info) if multiturn else dataset[0], model
+        )
         if not warm.success:
             raise RuntimeError(f"warm-up request failed: {warm.error}")
-    outputs, duration = run_requests(base_url, args, dataset, model)
+    if multiturn:
+        outputs, duration = run_conversations(base_url, args, dataset, model)
+    else:
+        outputs, duration = run_requests(base_url, args, dataset, model)
     failed = [o for o in outputs if not o.success]
     if failed:
         print(f"warning: {len(failed)} requests failed, e.g. {failed[0].error}", file=sys.stderr)
     metrics = serving_metrics(outputs, duration)
+    if multiturn:
+        metrics.update(multiturn_metrics(outputs))
     # cumulative since the server started (SGLang reads it the same way): includes warm-up
     metrics["accept_length"] = server_accept_length(http_get_json(base_url, "/get_server_info"))
     print_serving_result(metrics, args.backend, args.request_rate, args.max_concurrency)
@@ -160,6 +222,9 @@ def benchmark(args, base_url: str, variant: Variant | None) -> dict:
         "request_rate": "inf" if args.request_rate == float("inf") else args.request_rate,
         "max_concurrency": args.max_concurrency,
         "num_prompts": len(dataset),
+        "num_requests": len(outputs),
+        "multiturn_turns": args.multiturn_turns if multiturn else None,
+        "multiturn_system_len": args.multiturn_system_len if multiturn else None,
         "random_input_len": args.random_input_len,
         "random_output_len": args.random_output_len,
         "random_range_ratio": args.random_range_ratio,
@@ -180,6 +245,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
     try:
         variants = build_variants(args)
+        if args.compare_radix_cache:
+            variants = with_and_without_radix_cache(variants)
     except ValueError as err:
         print(f"bench_serving: error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
@@ -203,6 +270,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         print(f"bench_serving: error: {err}", file=sys.stderr)
         raise SystemExit(1) from None
     print_serving_ratios(records, [v.label for v in variants])
+    print_cache_ratios(records, [v.label for v in variants])
     return records
 
 

@@ -4,7 +4,7 @@
 # NEXTN and ours vs HF transformers `generate`, in one run. Prompts are the openings of the
 # Python files the default model held out (its domain, not its training data).
 #
-#   bash scripts/run_benchmarks.sh [OUT_DIR]        # or `make bench`; ~15 min on 2 CPU cores
+#   bash scripts/run_benchmarks.sh [OUT_DIR]        # or `make bench`; ~20 min on 2 CPU cores
 #
 # Every printed table and ratio goes to OUT_DIR/*.log, the JSONL records to OUT_DIR/*.jsonl.
 # Extra flags for every script can be given in BENCH_FLAGS (default: fp32, one thread, no progress bars);
@@ -34,3 +34,12 @@ mkdir -p "$out"
 "$python" -m scripts.bench_serving $flags --launch-server --compare --backend sglang \
     --num-prompts 64 --dataset-path "$out/prompts.jsonl" --random-output-len 64 \
     --request-rate inf --output-file "$out/serving.jsonl" 2>&1 | tee "$out/serving.log"
+
+# Multi-turn chats (prefix cache): 16 conversations of 4 turns after a shared 1024-token system
+# prompt, 32-token user messages and answers; every variant with the radix cache off and on.
+# shellcheck disable=SC2086
+"$python" -m scripts.bench_serving $flags --launch-server --compare --compare-radix-cache \
+    --backend sglang --dataset-name multiturn --num-prompts 16 --multiturn-turns 4 \
+    --multiturn-system-len 1024 --random-input-len 32 --random-output-len 32 \
+    --random-range-ratio 1 --request-rate inf --output-file "$out/multiturn.jsonl" 2>&1 |
+    tee "$out/multiturn.log"

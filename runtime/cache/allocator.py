@@ -5,9 +5,9 @@ Slot `s` lives in page `s // page_size`. A request owns whole pages, so position
 a request always sits at offset `p % page_size` of its `p // page_size`-th page; caches
 that store one entry per block of positions (compressed KV) derive their row from that.
 
-The caches hold one page more than the allocator hands out: the padding page. A captured
-step runs a fixed batch size, and the rows that pad a live batch up to it read and write
-`pad_slot` there (as SGLang reserves slot 0), never a slot a request owns.
+The caches hold one page more than the allocator hands out, page `num_pages`: the scratch
+page (`SlotTable`), where positions nobody reserved point, the padding request of captured
+steps included (as SGLang reserves slot 0 for padding).
 """
 
 from __future__ import annotations
@@ -24,11 +24,6 @@ class PagedTokenAllocator:
             )
         self.num_pages, self.page_size, self.device = num_pages, page_size, device
         self._free_pages = list(range(num_pages - 1, -1, -1))
-
-    @property
-    def pad_slot(self) -> int:
-        """The first slot of the padding page (no request ever owns it)."""
-        return self.num_pages * self.page_size
 
     @property
     def capacity_tokens(self) -> int:

@@ -12,7 +12,7 @@ reads the same index tensors. Two layouts:
   the writes never overwrite a row still read), so every tensor has a shape fixed by
   `(bs, q)` and the per-ratio entry count `C`, nothing depends on data, and a captured step
   (torch.compile, CUDA graph) replays it. Compressors pool a candidate entry at every row
-  and write the ones that close no block to the padding page's `trash_row`. `C` (compressed
+  and write the ones that close no block to the scratch page's `trash_row`. `C` (compressed
   entries a request may see) grows with the context: the graph runner pads it to a bucket
   and marks it dynamic.
 * `DeepseekV4RaggedMetadata`: prefill chunks of any length (eager). Keys come from the

@@ -18,19 +18,22 @@ state in `DeepseekV4CSACache` / `DeepseekV4HCACache`):
 Rows are keyed by position everywhere, so rolling back speculative tokens needs no copy:
 the rejected positions are simply rewritten later.
 
-Every buffer also holds the padding request's ring rows and the padding page's rows
-(`PoolGeometry.req_slots`, `cache_pages`): rows that pad a captured batch, and the entries a
-captured step computes at positions that close no block, are written there (`trash_row`).
+Every buffer also holds the padding request's ring rows and the scratch page's rows
+(`PoolGeometry.req_slots`, `cache_pages`): rows that pad a captured batch, positions past a
+request's reservation, and the entries a captured step computes at positions that close no
+block (`trash_row`) are written there; no row that is ever emitted reads them.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 from runtime.cache.deepseek_v4_metadata import EntryCount, compressor_overlap, prepare_metadata
 from runtime.cache.pool_geometry import PoolGeometry
+from runtime.cache.state_snapshots import RequestStateSnapshots
 from runtime.core.forward_context import ForwardContext
 
 __all__ = ["DeepseekV4CacheLayout", "DeepseekV4KVPool", "compressor_overlap"]
@@ -50,7 +53,7 @@ class DeepseekV4CacheLayout:
         return self.compress_ratios[layer] == self.indexer_ratio
 
 
-class DeepseekV4KVPool:
+class DeepseekV4KVPool(RequestStateSnapshots):
     def __init__(self, layout: DeepseekV4CacheLayout, geometry: PoolGeometry):
         dtype, device = geometry.dtype, geometry.device
         self.layout, self.max_reqs, self.page_size = layout, geometry.max_reqs, geometry.page_size
@@ -125,11 +128,47 @@ class DeepseekV4KVPool:
         return page * self.compressed_rows_per_page(ratio) + offset // ratio
 
     def trash_row(self, ratio: int) -> int:
-        """A compressed row of the padding page: where writes that must go nowhere land."""
+        """A compressed row of the scratch page: where writes that must go nowhere land."""
         return self.num_pages * self.compressed_rows_per_page(ratio)
 
     def commit_verified(self, req_pool_indices, num_accepted) -> None:
         """Nothing to do: every V4 cache row is keyed by position (see the module docstring)."""
+
+    # prefix cache -------------------------------------------------------------------------
+    def share_alignment(self) -> int:
+        """Shared prefixes end on a block boundary of every compress ratio: an entry is
+        written when its block closes, into the page of the block's first position, so a
+        block straddling the end of a shared page range would be written into a shared page
+        by whichever request continues it."""
+        ratios = [r for r in self.layout.compress_ratios if r > 1]
+        return math.lcm(*ratios) if ratios else 1
+
+    def request_state(self, req_pool_idx: int, verify_row: int | None = None) -> list:
+        """Views of everything kept per request rather than per token slot: the window ring
+        and the compressor / indexer state rings. Every row is keyed by position, so the
+        rows of the last verify pass need no special case (`verify_row` is unused)."""
+        del verify_row
+        views = [self._ring_rows(buf, self.swa_ring, req_pool_idx) for buf in self.swa_kv]
+        for states in (self.compressor_state, self.indexer_state):
+            for layer, buf in states.items():
+                ring = self.state_ring(self.layout.compress_ratios[layer])
+                views.append(self._ring_rows(buf, ring, req_pool_idx))
+        return views
+
+    @staticmethod
+    def _ring_rows(buf: torch.Tensor, ring: int, req_pool_idx: int) -> torch.Tensor:
+        return buf[req_pool_idx * ring : (req_pool_idx + 1) * ring]
+
+    def copy_pages(self, src_pages: list[int], dst_pages: list[int]) -> None:
+        """Copy the rows stored per token page (compressed KV, indexer keys) page by page."""
+        for group in (self.compressed_kv, self.indexer_k):
+            for layer, buf in group.items():
+                rows = self.compressed_rows_per_page(self.layout.compress_ratios[layer])
+                buf[self._page_rows(dst_pages, rows)] = buf[self._page_rows(src_pages, rows)]
+
+    def _page_rows(self, pages: list[int], rows: int) -> torch.Tensor:
+        base = torch.tensor(pages, dtype=torch.long, device=self.device) * rows
+        return (base.unsqueeze(1) + torch.arange(rows, device=self.device)).flatten()
 
     # reporting ----------------------------------------------------------------------------
     def nbytes(self) -> int:

@@ -27,5 +27,6 @@ class PoolGeometry:
 
     @property
     def cache_pages(self) -> int:
-        """Pages of per-token buffers: every allocatable page and the padding page."""
+        """Pages of per-token buffers: every allocatable page and the scratch page
+        (`SlotTable`: positions no request reserved, the padding request's included)."""
         return self.num_pages + 1

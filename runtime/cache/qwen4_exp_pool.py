@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from runtime.cache.pool_geometry import PoolGeometry
+from runtime.cache.state_snapshots import RequestStateSnapshots
 
 
 @dataclass(frozen=True)
@@ -39,7 +40,7 @@ class Qwen4ExpCacheLayout:
     qsa_ratio: int
 
 
-class Qwen4ExpKVPool:
+class Qwen4ExpKVPool(RequestStateSnapshots):
     def __init__(
         self,
         layout: Qwen4ExpCacheLayout,
@@ -52,7 +53,8 @@ class Qwen4ExpKVPool:
         self.max_reqs = geometry.max_reqs
         max_reqs = geometry.req_slots  # per-request rows, the padding request included
         self.reuses_qsa_selection = reuses_qsa_selection
-        slots = geometry.cache_pages * geometry.page_size  # the padding page included
+        self.page_size = geometry.page_size
+        slots = geometry.cache_pages * geometry.page_size  # the scratch page included
         self.conv_ring = layout.conv_kernel - 1 + max_tokens_per_pass
         self.token_ring = layout.ngram_size - 1 + max_tokens_per_pass
         self.ple_conv_ring = layout.ple_conv_span + max_tokens_per_pass
@@ -81,7 +83,8 @@ class Qwen4ExpKVPool:
         self.ple_conv = {
             i: zeros(max_reqs * self.ple_conv_ring, layout.hc_width) for i in layout.ple_layers
         }
-        max_blocks = max(1, geometry.max_context // max(layout.qsa_ratio, 1))
+        # every position a pass can touch, a partial last block included
+        max_blocks = max(1, -(-geometry.max_context // max(layout.qsa_ratio, 1)))
         self.qsa_blocks = (
             {i: zeros(max_reqs, max_blocks, dt=torch.bool) for i in self.k_cache}
             if reuses_qsa_selection
@@ -108,6 +111,46 @@ class Qwen4ExpKVPool:
         rows = torch.as_tensor(num_accepted, dtype=torch.long, device=self.device)
         for layer, snapshots in self.ssm_snapshots.items():
             self.ssm_state[layer][slots] = snapshots[slots, rows]
+
+    # prefix cache -------------------------------------------------------------------------
+    def share_alignment(self) -> int:
+        """Every full-history row belongs to one token slot: any page boundary will do."""
+        return 1
+
+    def request_state(self, req_pool_idx: int, verify_row: int | None = None) -> list:
+        """Views of everything kept per request rather than per token slot: the conv and PLE
+        rings and the recurrent state. `verify_row` j reads the recurrent state after row j of
+        the last verify pass (`ssm_snapshots`) instead of the committed one. The draft's QSA
+        selection is left out: each draft round chooses it afresh."""
+        slot = req_pool_idx
+        views = [
+            buf[slot * self.conv_ring : (slot + 1) * self.conv_ring]
+            for buf in self.conv_state.values()
+        ]
+        for layer, state in self.ssm_state.items():
+            views.append(
+                state[slot] if verify_row is None else self.ssm_snapshots[layer][slot, verify_row]
+            )
+        views += [
+            buf[slot * self.token_ring : (slot + 1) * self.token_ring]
+            for buf in self.ple_tokens.values()
+        ]
+        views += [
+            buf[slot * self.ple_conv_ring : (slot + 1) * self.ple_conv_ring]
+            for buf in self.ple_conv.values()
+        ]
+        return views
+
+    def copy_pages(self, src_pages: list[int], dst_pages: list[int]) -> None:
+        """Copy the per-slot rows (K, V, raw QSA index keys) of whole pages."""
+        src, dst = self._page_slots(src_pages), self._page_slots(dst_pages)
+        for group in (self.k_cache, self.v_cache, self.index_cache):
+            for buf in group.values():
+                buf[dst] = buf[src]
+
+    def _page_slots(self, pages: list[int]) -> torch.Tensor:
+        base = torch.tensor(pages, dtype=torch.long, device=self.device) * self.page_size
+        return (base.unsqueeze(1) + torch.arange(self.page_size, device=self.device)).flatten()
 
     def remember_selection(self, layer: int, ctx, keys, selected: torch.Tensor | None) -> None:
         """Store, per request, the blocks chosen at its logits row (the draft's first step)."""

@@ -3,7 +3,8 @@
 
 The table has one row more than there are request slots: the padding request (`pad_req`),
 which rows that pad a captured batch up to its size use; `SlotTable` points every position
-of it at the allocator's padding slot. Per-request cache buffers hold it too.
+of it into the scratch page. Per-request cache buffers hold its rows too; the prefix
+cache's state snapshots live in buffers of their own (`state_snapshots`), never in these rows.
 """
 
 from __future__ import annotations

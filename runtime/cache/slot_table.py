@@ -5,9 +5,26 @@
 returns their slots, `release(req)` gives everything back. A position keeps its slot for
 the request's lifetime, so a speculative token that is rejected and later rewritten at
 the same position reuses the same slot: nothing leaks, nothing moves.
+
+Every position past a request's reservation points into the scratch page: the page after
+the allocator's last one, which the cache pools hold but no request ever owns. A
+speculative pass writes a few positions past what a request can still commit (near its
+last token); those rows score tokens that are never emitted, so they need no slot of
+their own and cost the pool nothing.
+
+The padding request (`ReqToTokenPool.pad_req`), whose copies pad a captured step up to its
+batch size, is a request that never reserves anything: all its positions point into the
+scratch page, so its rows read and write only there and in its own per-request rows.
+
+With a prefix cache a request's leading pages may be *borrowed*: pages the cache owns and
+several requests read (`open_request(prefix_pages)`, `share_prefix`). A request never
+writes a borrowed page (it only writes positions past its cached prefix), and `release`
+frees only the pages the request owns.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
 
 import torch
 
@@ -20,18 +37,60 @@ class SlotTable:
         self.req_pool, self.allocator = req_pool, allocator
         self.page_size = allocator.page_size
         self._pages: dict[int, list[int]] = {}
-        self.req_to_token[req_pool.pad_req] = allocator.pad_slot
+        self._borrowed: dict[int, int] = {}  # leading pages the request does not own
+        self._point_at_scratch(req_pool.pad_req, 0)  # the padding request reserves nothing
 
     @property
     def req_to_token(self) -> torch.Tensor:
         return self.req_pool.req_to_token
 
-    def open_request(self) -> int | None:
-        """A request slot with no pages, or None when every request slot is taken."""
+    @property
+    def scratch_page(self) -> int:
+        """The page past the allocator's last one (see the module docstring)."""
+        return self.allocator.num_pages
+
+    def scratch_slots(self, positions: torch.Tensor) -> torch.Tensor:
+        """Scratch slots of `positions`, each at its offset `p % page_size` as in a page."""
+        return self.scratch_page * self.page_size + positions % self.page_size
+
+    def open_request(self, prefix_pages: Sequence[int] = ()) -> int | None:
+        """A request slot whose first pages are the borrowed `prefix_pages`, or None when
+        every request slot is taken."""
         idx = self.req_pool.alloc()
         if idx is not None:
-            self._pages[idx] = []
+            self._pages[idx], self._borrowed[idx] = [], 0
+            self._point_at_scratch(idx, 0)
+            self.share_prefix(idx, prefix_pages)
         return idx
+
+    def _point_at_scratch(self, req_pool_idx: int, start: int) -> None:
+        row = self.req_to_token[req_pool_idx]
+        positions = torch.arange(start, row.shape[0], device=row.device)
+        row[start:] = self.scratch_slots(positions)
+
+    def pages(self, req_pool_idx: int) -> list[int]:
+        """The request's pages in position order (borrowed ones first)."""
+        return list(self._pages[req_pool_idx])
+
+    def borrowed_pages(self, req_pool_idx: int) -> int:
+        return self._borrowed[req_pool_idx]
+
+    def share_prefix(self, req_pool_idx: int, pages: Sequence[int]) -> list[int]:
+        """Make `pages` the request's leading, borrowed pages (they hold the same positions'
+        contents). Returns the owned pages they replace (duplicates for the caller to free);
+        a page handed over to the cache appears in `pages` and is not returned."""
+        owned, replaced = self._pages[req_pool_idx], []
+        for i, page in enumerate(pages):
+            if i == len(owned):
+                owned.append(page)
+            elif owned[i] != page:
+                if i >= self._borrowed[req_pool_idx]:
+                    replaced.append(owned[i])
+                owned[i] = page
+        if pages:
+            self._write_slots(req_pool_idx, 0, list(pages))
+            self._borrowed[req_pool_idx] = max(self._borrowed[req_pool_idx], len(pages))
+        return replaced
 
     def reserved_tokens(self, req_pool_idx: int) -> int:
         return len(self._pages[req_pool_idx]) * self.page_size
@@ -52,12 +111,16 @@ class SlotTable:
         if new_pages is None:
             return False
         owned = self._pages[req_pool_idx]
-        start = len(owned) * self.page_size
+        first = len(owned)
         owned.extend(new_pages)
-        slots = self.allocator.page_slots(new_pages)
+        self._write_slots(req_pool_idx, first, new_pages)
+        return True
+
+    def _write_slots(self, req_pool_idx: int, first_page: int, pages: list[int]) -> None:
+        start = first_page * self.page_size
+        slots = self.allocator.page_slots(pages)
         end = min(start + slots.shape[0], self.req_pool.max_context_len)
         self.req_to_token[req_pool_idx, start:end] = slots[: end - start]
-        return True
 
     def slots(self, req_pool_idx: int, start: int, end: int) -> torch.Tensor:
         if end > self.reserved_tokens(req_pool_idx):
@@ -67,14 +130,20 @@ class SlotTable:
             )
         return self.req_to_token[req_pool_idx, start:end]
 
-    def release(self, req_pool_idx: int) -> None:
-        self.allocator.free_pages(self._pages.pop(req_pool_idx))
+    def release(self, req_pool_idx: int, keep: Iterable[int] = ()) -> None:
+        """Free the request slot and the pages it owns, except those in `keep` (handed to
+        the caller, e.g. a prefix cache); borrowed pages stay with their owner."""
+        pages = self._pages.pop(req_pool_idx)
+        borrowed = self._borrowed.pop(req_pool_idx)
+        kept = set(keep)
+        self.allocator.free_pages([p for p in pages[borrowed:] if p not in kept])
         self.req_pool.free(req_pool_idx)
 
     def trim(self, req_pool_idx: int, keep_tokens: int) -> None:
         """Give back whole pages past `keep_tokens` (e.g. after rejected speculative tokens)."""
         owned = self._pages[req_pool_idx]
-        keep_pages = -(-keep_tokens // self.page_size)
+        keep_pages = max(-(-keep_tokens // self.page_size), self._borrowed[req_pool_idx])
         if keep_pages < len(owned):
             self.allocator.free_pages(owned[keep_pages:])
             del owned[keep_pages:]
+            self._point_at_scratch(req_pool_idx, keep_pages * self.page_size)

@@ -22,12 +22,15 @@ from pathlib import Path
 
 from runtime.configs.capture import CAPTURE_COMPILE_MODES, DISABLE_ENV, CaptureConfig
 from runtime.configs.model_config import SUPPORTED_DTYPES, resolve_dtype
+from runtime.configs.parallel import ParallelLayout, parse_address
 from runtime.configs.speculative import SpeculativeConfig
 
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "assets" / "deepseek_v4_tiny"
 # SGLang's defaults when memory does not decide: 64 request slots, 48 with EAGLE/NEXTN.
 DEFAULT_MAX_RUNNING_REQUESTS = 64
 SPECULATIVE_MAX_RUNNING_REQUESTS = 48
+# The OpenAI API's upper bound on `n` (choices per request).
+DEFAULT_MAX_N = 128
 
 
 def default_model_path() -> str:
@@ -76,11 +79,47 @@ class EngineConfig:
         None, "prompt + output tokens per request (default: the model's max positions)"
     )
     random_seed: int | None = setting(None, "seed of the engine's sampling generator")
+    disable_radix_cache: bool = setting(
+        False, "turn off prefix caching: every request prefills its whole prompt"
+    )
+    radix_snapshot_interval: int = setting(
+        256,
+        "prefill chunks end at multiples of this many tokens so the prefix cache keeps the "
+        "per-request state there (0: only at finish, retraction and shared prefixes)",
+    )
+    radix_snapshot_slots: int | None = setting(
+        None,
+        "per-request state snapshots the prefix cache keeps (default: 2 x --max-running-requests)",
+    )
     skip_tokenizer_init: bool = setting(False, "load no tokenizer: clients send input_ids")
     speculative_algorithm: str | None = setting(None, "NEXTN (aliases MTP, EAGLE)")
     speculative_num_steps: int | None = setting(None, "draft steps per round (default 3)")
     speculative_eagle_topk: int | None = setting(None, "1 (chain drafting)")
     speculative_num_draft_tokens: int | None = setting(None, "verify width (steps + 1)")
+    constrained_json_disable_any_whitespace: bool = setting(
+        False, "structured JSON output in compact layout (no free whitespace between tokens)"
+    )
+    tp_size: int = setting(
+        1, "tensor-parallel ranks: attention heads, vocabulary and dense MLPs split", "--tp"
+    )
+    ep_size: int = setting(
+        1,
+        "expert-parallel ranks: routed experts split in blocks (a replica runs on "
+        "max(tp, ep) ranks, each expert's width split over the rest)",
+        "--ep",
+    )
+    nnodes: int = setting(1, "machines one replica spans")
+    node_rank: int = setting(0, "this machine's index among --nnodes (node 0 serves HTTP)")
+    dist_init_addr: str | None = setting(
+        None, "HOST:PORT where rank 0 listens for the others (default: a free loopback port)"
+    )
+    dist_timeout: int = setting(
+        120, "seconds a rendezvous or a collective may wait for the other ranks"
+    )
+    rank_heartbeat_timeout: float = setting(
+        20.0, "seconds a rank may go silent before the replica stops with an error naming it"
+    )
+    max_n: int = setting(DEFAULT_MAX_N, "most choices (n) one request may ask for")
     disable_cuda_graph: bool = setting(
         False,
         "run decode, verify and draft steps eagerly instead of replaying captured graphs "
@@ -104,9 +143,25 @@ class EngineConfig:
     )
 
     # checks ------------------------------------------------------------------------------
+    def capture_off_reason(self) -> str | None:
+        """Why decode, verify and draft steps run eagerly; None when they are captured."""
+        if self.disable_cuda_graph:
+            return "--disable-cuda-graph"
+        if CaptureConfig.disabled_by_env():
+            return f"${DISABLE_ENV} is set"
+        world = self.parallel_layout().world_size
+        if world > 1:
+            # A bucket is captured by running its step on padding rows on one rank (in the
+            # background on CPU) while its collectives need every rank inside the same graph.
+            return (
+                f"a replica of {world} ranks (--tp-size / --ep-size) runs its steps eagerly: "
+                "captured steps are not coordinated across ranks yet"
+            )
+        return None
+
     def capture_config(self) -> CaptureConfig:
         return CaptureConfig(
-            enabled=not self.disable_cuda_graph and not CaptureConfig.disabled_by_env(),
+            enabled=self.capture_off_reason() is None,
             batch_sizes=tuple(self.cuda_graph_bs or ()),
             max_batch_size=self.cuda_graph_max_bs,
             torch_compile=self.enable_torch_compile,
@@ -122,6 +177,9 @@ class EngineConfig:
             self.speculative_num_draft_tokens,
         )
 
+    def parallel_layout(self) -> ParallelLayout:
+        return ParallelLayout(self.tp_size, self.ep_size)
+
     def resolve(self):
         """Fill the defaults that depend on other settings and reject bad ones, in place
         (ValueError; FileNotFoundError for a missing checkpoint). Returns self."""
@@ -134,6 +192,8 @@ class EngineConfig:
             self.max_running_requests = (
                 SPECULATIVE_MAX_RUNNING_REQUESTS if spec else DEFAULT_MAX_RUNNING_REQUESTS
             )
+        if self.radix_snapshot_slots is None and self.max_running_requests >= 1:
+            self.radix_snapshot_slots = 2 * self.max_running_requests
         self.model_path = str(self.model_path) if self.model_path else default_model_path()
         if not Path(self.model_path).is_dir():
             raise FileNotFoundError(
@@ -144,10 +204,32 @@ class EngineConfig:
                 raise ValueError(message)
         return self
 
+    def _parallel_checks(self) -> list[tuple[bool, str]]:
+        world = self.parallel_layout().world_size  # ValueError for a bad tp/ep pair
+        if self.dist_init_addr is not None:
+            parse_address(self.dist_init_addr)  # ValueError for a malformed address
+        return [
+            (self.nnodes >= 1, "--nnodes must be >= 1"),
+            (
+                0 <= self.node_rank < self.nnodes,
+                f"--node-rank must be in [0, {self.nnodes}), got {self.node_rank}",
+            ),
+            (
+                world % self.nnodes == 0,
+                f"a replica of {world} ranks does not split over --nnodes {self.nnodes}",
+            ),
+            (
+                self.nnodes == 1 or self.dist_init_addr is not None,
+                "--nnodes > 1 needs --dist-init-addr HOST:PORT (node 0's address)",
+            ),
+            (self.dist_timeout >= 1, "--dist-timeout must be >= 1 second"),
+            (self.rank_heartbeat_timeout > 0, "--rank-heartbeat-timeout must be > 0"),
+        ]
+
     def _checks(self) -> list[tuple[bool, str]]:
         chunk = self.chunked_prefill_size
         dtypes = ", ".join(SUPPORTED_DTYPES)
-        return [
+        return self._parallel_checks() + [
             (
                 _known_dtype(self.dtype),
                 f"--dtype '{self.dtype}' is not supported; use one of {dtypes}",
@@ -163,6 +245,12 @@ class EngineConfig:
                 self.context_length is None or self.context_length >= 2,
                 "--context-length must be >= 2",
             ),
+            (self.radix_snapshot_interval >= 0, "--radix-snapshot-interval must be >= 0"),
+            (
+                self.radix_snapshot_slots is None or self.radix_snapshot_slots >= 1,
+                "--radix-snapshot-slots must be >= 1",
+            ),
+            (self.max_n >= 1, f"--max-n must be >= 1, got {self.max_n}"),
             (
                 self.capture_compile in CAPTURE_COMPILE_MODES,
                 f"--capture-compile must be one of {', '.join(CAPTURE_COMPILE_MODES)}",

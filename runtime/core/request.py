@@ -21,6 +21,15 @@ class Detokenizer(Protocol):
     def flush(self) -> str: ...
 
 
+class GrammarState(Protocol):
+    """A request's structured-output matcher (`runtime.constrained.RequestGrammar`): it
+    follows the committed output token by token."""
+
+    def accept(self, token: int) -> bool: ...
+
+    def is_terminated(self) -> bool: ...
+
+
 @dataclass
 class FinishReason:
     type: str  # "stop" | "length" | "abort"
@@ -47,10 +56,14 @@ class Req:
     return_logprob: bool = False
     top_logprobs_num: int = 0
     logprob_start_len: int = -1  # first prompt position to return logprobs for; -1 = none
+    token_ids_logprob: list[int] | None = None  # ids whose logprobs every position reports
+    return_text_in_logprobs: bool = False
     detokenizer: Detokenizer | None = None
+    grammar: GrammarState | None = None  # structured output (json_schema / regex / ebnf)
     output_ids: list[int] = field(default_factory=list)
     req_pool_idx: int | None = None
     num_cached: int = 0  # tokens of `all_ids` whose KV is in the cache
+    cached_tokens: int = 0  # prompt tokens the prefix cache served when it was admitted
     finish_reason: FinishReason | None = None
     created_at: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
@@ -58,15 +71,20 @@ class Req:
     num_retractions: int = 0
     # text and stop-string state (with a detokenizer)
     text: str = ""
-    # logprobs: (logprob, token id) per output token, top lists, prompt (position, logprob)
+    # logprobs: (logprob, token id) per output token, its top list and its `token_ids_logprob`
+    # list; the same per prompt token from `logprob_start_len` (None where nothing scores it)
     output_token_logprobs: list[tuple[float, int]] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+    output_token_ids_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
     input_token_logprobs: list[tuple[float | None, int]] = field(default_factory=list)
+    input_top_logprobs: list[list[tuple[float, int]] | None] = field(default_factory=list)
+    input_token_ids_logprobs: list[list[tuple[float, int]] | None] = field(default_factory=list)
     input_logprobs_done: bool = False
     # speculative decoding: next round's draft tokens and acceptance counters
     draft_tokens: list[int] | None = None
     spec_verify_ct: int = 0
     spec_accept_hist: list[int] = field(default_factory=list)  # [m]: rounds that accepted m drafts
+    parent_rid: str | None = None  # the client's request id when this is one of its n choices
 
     @property
     def all_ids(self) -> list[int]:
@@ -105,11 +123,15 @@ class Req:
             self.finish(FinishReason("abort", message=message))
 
     def append_token(self, token: int, eos_ids: set[int]) -> bool:
-        """Add a generated token and run the finish checks in order (EOS, stop ids, stop
-        strings, then the length cap). Returns True when the request finished."""
+        """Add a generated token, advance the grammar (if any) and run the finish checks in
+        order (EOS, stop ids, stop strings, a completed grammar, then the length cap).
+        Returns True when the request finished."""
         self.output_ids.append(token)
         if self.first_token_at is None:
             self.first_token_at = time.perf_counter()
+        if self.grammar is not None and not self.grammar.accept(token):
+            self.finish(FinishReason("abort", message=f"token {token} breaks the grammar"))
+            return True
         delta = ""
         if self.detokenizer is not None:
             delta = self.detokenizer.add(token)
@@ -122,6 +144,8 @@ class Req:
                 self.finish(FinishReason("stop", matched=token))
             elif params.stop_strings and self.detokenizer is not None:
                 self._check_stop_strings(len(delta))
+        if not self.finished and self.grammar is not None and self.grammar.is_terminated():
+            self.finish(FinishReason("stop", matched=token))  # the grammar is complete
         if not self.finished and produced >= params.max_new_tokens:
             self.finish(FinishReason("length", length=produced))
         return self.finished

@@ -16,14 +16,24 @@ from runtime.core.request import FinishReason
 TokenLogprob = tuple[float, int]  # (logprob, token id), SGLang's order without the text
 
 
+TokenLogprobList = tuple[TokenLogprob, ...]
+
+
 @dataclass(frozen=True)
 class Logprobs:
-    """Log probabilities a request asked for (`return_logprob` / `top_logprobs_num`)."""
+    """Log probabilities a request asked for (`return_logprob`, `top_logprobs_num`,
+    `token_ids_logprob`, `logprob_start_len`); prompt entries run from `logprob_start_len`
+    and are None where nothing scores the token (the prompt's first)."""
 
     input_token_logprobs: tuple[tuple[float | None, int], ...]  # prompt from logprob_start_len
     output_token_logprobs: tuple[TokenLogprob, ...]
-    output_top_logprobs: tuple[tuple[TokenLogprob, ...], ...]  # empty unless top_logprobs_num
+    output_top_logprobs: tuple[TokenLogprobList, ...]  # empty unless top_logprobs_num
     top_logprobs_num: int = 0
+    input_top_logprobs: tuple[TokenLogprobList | None, ...] = ()
+    token_ids_logprob: tuple[int, ...] | None = None
+    input_token_ids_logprobs: tuple[TokenLogprobList | None, ...] = ()
+    output_token_ids_logprobs: tuple[TokenLogprobList, ...] = ()
+    with_text: bool = False  # the request asked for each token's text (return_text_in_logprobs)
 
 
 @dataclass(frozen=True)

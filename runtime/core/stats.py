@@ -24,9 +24,14 @@ class EngineInfo:
     speculative_num_steps: int | None = None
     speculative_eagle_topk: int | None = None
     speculative_num_draft_tokens: int | None = None
+    # what each rank of the replica holds after start-up: rank, pid, weights, kv_cache,
+    # peak_rss (bytes), device_allocated
+    rank_memory: tuple[dict, ...] = ()
 
     def to_json(self) -> dict:
-        return asdict(self)
+        out = asdict(self)
+        out["rank_memory"] = list(out["rank_memory"])
+        return out
 
 
 @dataclass(frozen=True)
@@ -34,9 +39,19 @@ class EngineStats:
     num_running_reqs: int = 0
     num_waiting_reqs: int = 0
     num_retractions: int = 0
+    num_finished_reqs: int = 0  # requests finished since start (any reason): a replica's share
     available_tokens: int = 0
     available_request_slots: int = 0
-    token_usage: float = 0.0  # fraction of KV token slots in use
+    token_usage: float = 0.0  # fraction of KV token slots in use (as SGLang: evictable is free)
+    # prefix (radix) cache: prompt tokens served from it over all requests admitted so far,
+    # what it holds now and what it gave back under memory pressure
+    cache_hit_rate: float = 0.0  # cache_hit_tokens / cache_prompt_tokens
+    cache_hit_tokens: int = 0
+    cache_prompt_tokens: int = 0
+    cache_evicted_tokens: int = 0
+    cache_evicted_snapshots: int = 0
+    cache_tokens: int = 0  # token slots the prefix cache holds
+    cache_snapshots: int = 0  # per-request state snapshots it holds
     # speculative decoding, engine-wide (None when it is off); raw counters so a client can
     # take the accept length over its own window
     avg_spec_accept_length: float | None = None

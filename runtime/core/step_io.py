@@ -13,7 +13,12 @@ class TokenOutput:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] | None = None  # of each new token (raw model distribution)
     top_logprobs: list[list[tuple[float, int]]] | None = None
-    input_logprobs: list[tuple[int, float | None]] | None = None  # (prompt position, logprob)
+    token_ids_logprobs: list[list[tuple[float, int]]] | None = None  # per new token
+    # prompt tokens this step scored: (position, logprob), each with its top and
+    # token_ids_logprob lists when asked (None entries for the prompt's first token)
+    input_logprobs: list[tuple[int, float | None]] | None = None
+    input_top_logprobs: list[list[tuple[float, int]] | None] | None = None
+    input_token_ids_logprobs: list[list[tuple[float, int]] | None] | None = None
     # speculative decoding
     num_accepted_drafts: int | None = None  # a verify round: drafts accepted (0..S)
     draft_tokens: list[int] | None = None  # the drafts the next verify round checks
@@ -35,3 +40,10 @@ class Chunk:
     def completes(self) -> bool:
         """Reaches the newest token, so the step samples what follows."""
         return self.end == self.req.seq_len
+
+    @property
+    def resumes(self) -> bool:
+        """Ends just before the newest token of a request that has output already: a
+        retracted request whose cache is rebuilt. Its next token comes from a decode step
+        (a verify round with speculation), as if it had never been retracted."""
+        return bool(self.req.output_ids) and self.end == self.req.seq_len - 1

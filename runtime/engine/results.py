@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 
+from runtime.cache.prefix_cache import PrefixCacheStats
 from runtime.cache.slot_table import SlotTable
 from runtime.core.request import Req
 from runtime.core.result import Logprobs, RequestResult, RequestTiming, SpecCounters
@@ -23,6 +24,7 @@ def request_result(req: Req, num_draft_tokens: int | None, with_text: bool) -> R
         finish_reason=req.finish_reason,
         prompt_tokens=len(req.prompt_ids),
         completion_tokens=len(req.output_ids),
+        cached_tokens=req.cached_tokens,
         timing=RequestTiming(
             created_at=req.created_at,
             first_token_at=req.first_token_at,
@@ -34,12 +36,22 @@ def request_result(req: Req, num_draft_tokens: int | None, with_text: bool) -> R
     )
 
 
+def _lists(rows) -> tuple:
+    return tuple(None if row is None else tuple(row) for row in rows)
+
+
 def _logprobs(req: Req) -> Logprobs:
+    ids = req.token_ids_logprob
     return Logprobs(
         input_token_logprobs=tuple(req.input_token_logprobs),
         output_token_logprobs=tuple(req.output_token_logprobs),
-        output_top_logprobs=tuple(tuple(top) for top in req.output_top_logprobs),
+        output_top_logprobs=_lists(req.output_top_logprobs),
         top_logprobs_num=req.top_logprobs_num,
+        input_top_logprobs=_lists(req.input_top_logprobs),
+        token_ids_logprob=None if ids is None else tuple(ids),
+        input_token_ids_logprobs=_lists(req.input_token_ids_logprobs),
+        output_token_ids_logprobs=_lists(req.output_token_ids_logprobs),
+        with_text=req.return_text_in_logprobs,
     )
 
 
@@ -52,11 +64,18 @@ def _spec_counters(req: Req, num_draft_tokens: int) -> SpecCounters:
     )
 
 
-def engine_stats(scheduler, slot_table: SlotTable, spec_stats=None) -> EngineStats:
-    """Load and speculative counters right now; `spec_stats` is the NEXTN worker's
-    engine-wide `SpecStats` (None for plain decoding)."""
+def engine_stats(
+    scheduler,
+    slot_table: SlotTable,
+    spec_stats=None,
+    num_finished_reqs: int = 0,
+    cache: PrefixCacheStats | None = None,
+) -> EngineStats:
+    """Load, prefix cache and speculative counters right now; `spec_stats` is the NEXTN
+    worker's engine-wide `SpecStats` (None for plain decoding)."""
     allocator = slot_table.allocator
     available = allocator.available_tokens()
+    evictable = cache.evictable_tokens if cache is not None else 0
     spec = {}
     if spec_stats is not None:
         spec = dict(
@@ -65,12 +84,25 @@ def engine_stats(scheduler, slot_table: SlotTable, spec_stats=None) -> EngineSta
             spec_verify_rounds=spec_stats.verify_rounds,
             spec_emitted_tokens=spec_stats.emitted_tokens,
         )
+    cache_fields = {}
+    if cache is not None:
+        cache_fields = dict(
+            cache_hit_rate=cache.hit_rate,
+            cache_hit_tokens=cache.hit_tokens,
+            cache_prompt_tokens=cache.prompt_tokens,
+            cache_evicted_tokens=cache.evicted_tokens,
+            cache_evicted_snapshots=cache.evicted_snapshots,
+            cache_tokens=cache.cached_tokens,
+            cache_snapshots=cache.snapshots,
+        )
     return EngineStats(
         num_running_reqs=len(scheduler.running),
-        num_waiting_reqs=len(scheduler.waiting),
+        num_waiting_reqs=scheduler.num_waiting,
         num_retractions=scheduler.num_retractions,
+        num_finished_reqs=num_finished_reqs,
         available_tokens=available,
         available_request_slots=slot_table.req_pool.available(),
-        token_usage=1 - available / max(1, allocator.capacity_tokens),
+        token_usage=1 - (available + evictable) / max(1, allocator.capacity_tokens),
+        **cache_fields,
         **spec,
     )

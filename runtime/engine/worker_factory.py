@@ -12,12 +12,59 @@ from runtime.cache.slot_table import SlotTable
 from runtime.configs.capture import CaptureConfig
 from runtime.configs.model_config import ModelConfig
 from runtime.configs.speculative import SpeculativeConfig
-from runtime.execution.model_runner import ModelRunner
+from runtime.distributed import Mapping
+from runtime.execution.model_runner import DRAFT, TARGET, ModelRunner
 from runtime.execution.worker import PlainWorker
 from runtime.model_loader.build import load_model
 from runtime.models.registry import model_classes, resolve_model_class
 from runtime.speculative.drafter import MTPDrafter
 from runtime.speculative.nextn_worker import NextNWorker
+
+
+def build_runners(
+    model_config: ModelConfig,
+    slot_table: SlotTable,
+    spec: SpeculativeConfig | None,
+    mapping: Mapping | None = None,
+    device: str = "cpu",
+    progress: bool = False,
+    snapshot_slots: int = 0,
+    capture: CaptureConfig | None = None,
+) -> dict[str, ModelRunner]:
+    """The target runner and, when speculating, the draft's (sharing the target's embedding
+    and vocab-parallel head), each loading this rank's shard of its weights. Every pool gets
+    `snapshot_slots` slots of per-request state for the prefix cache (0: it is off).
+    `capture`: both runners replay their decode, verify and draft steps from captured
+    graphs, verify-shaped steps at the speculative width."""
+    target_cls = resolve_model_class(model_config.architectures)
+    draft_cls = draft_class(target_cls, model_config) if spec else None
+    pass_width = spec.num_draft_tokens if spec else 1
+
+    def runner(cls: type, role: str, width: int) -> ModelRunner:
+        model = load_model(model_config, cls, mapping, progress=progress)
+        return ModelRunner(
+            model,
+            model_config,
+            slot_table,
+            width,
+            device=device,
+            role=role,
+            capture=capture,
+            verify_width=pass_width,
+        )
+
+    runners = {TARGET: runner(target_cls, TARGET, pass_width)}
+    if draft_cls is not None:
+        # The draft writes up to `num_steps` positions past the committed length (its chained
+        # steps) on top of rows a later round may reject; rings this much longer still hold
+        # the window before any position of the last round, which is where the prefix cache
+        # may snapshot a request whose round ran past its stop.
+        draft = runners[DRAFT] = runner(draft_cls, DRAFT, max(pass_width, 2 * spec.num_steps))
+        draft.model.set_embed_and_head(*runners[TARGET].model.get_embed_and_head())
+    if snapshot_slots:
+        for each in runners.values():
+            each.kv_pool.allocate_snapshots(snapshot_slots)
+    return runners
 
 
 def build_worker(
@@ -28,26 +75,23 @@ def build_worker(
     generator: torch.Generator | None,
     device: str = "cpu",
     progress: bool = False,
+    mapping: Mapping | None = None,
+    broadcaster=None,
+    snapshot_slots: int = 0,
     capture: CaptureConfig | None = None,
 ) -> tuple[ModelRunner, PlainWorker | NextNWorker]:
-    """(target runner, worker). The model classes come from the checkpoint's architectures;
-    `capture` replays their decode, verify and draft steps from captured graphs."""
-    target_cls = resolve_model_class(model_config.architectures)
-    draft_cls = draft_class(target_cls, model_config) if spec else None
-    pass_width = spec.num_draft_tokens if spec else 1
-
-    def runner(cls: type) -> ModelRunner:
-        model = load_model(model_config, cls, progress=progress)
-        return ModelRunner(
-            model, model_config, slot_table, pass_width, device=device, capture=capture
-        )
-
-    target = runner(target_cls)
+    """(target runner, worker). The model classes come from the checkpoint's architectures.
+    On rank 0 of a replica, `broadcaster` sends every forward to the other ranks; `capture`
+    replays decode, verify and draft steps from captured graphs."""
+    runners = build_runners(
+        model_config, slot_table, spec, mapping, device, progress, snapshot_slots, capture
+    )
+    for runner in runners.values():
+        runner.broadcaster = broadcaster
+    target = runners[TARGET]
     if not spec:
         return target, PlainWorker(target, eos_ids, generator)
-    draft = runner(draft_cls)
-    draft.model.set_embed_and_head(*target.model.get_embed_and_head())
-    drafter = MTPDrafter(draft, spec.num_steps)
+    drafter = MTPDrafter(runners[DRAFT], spec.num_steps)
     return target, NextNWorker(target, drafter, spec, eos_ids, generator)
 
 

@@ -140,7 +140,7 @@ class GraphRunner:
         # decode and chained draft steps run one row per request, verify rounds and the draft
         # over them the full speculative width; other uniform batches (a draft extend over
         # equally short prompts) are rare enough to run eagerly instead of compiling for them
-        wanted = 1 if inp.forward_mode is ForwardMode.DECODE else self.runner.kv_pool.max_pass
+        wanted = 1 if inp.forward_mode is ForwardMode.DECODE else self.runner.verify_width
         if q != wanted or any(n != q for n in lens):
             return None
         bucket = self.bucket_for(len(lens))

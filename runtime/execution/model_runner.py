@@ -5,10 +5,15 @@ forward.
 Target and draft each get a runner; both share the `SlotTable` (request slots and token
 pages), so a request's positions map to the same token slots in both. The runner is handed
 a loaded model (the engine loads it); it never reads a checkpoint.
+
+In a multi-rank replica, rank 0's runners hand every forward (and every cache commit) to a
+`BatchBroadcaster` before running it, and the other ranks' runners replay the same calls
+(`runtime.execution.rank_sync`), so every rank runs the same forward on its shard.
 """
 
 from __future__ import annotations
 
+import enum
 import logging
 from dataclasses import dataclass, field
 
@@ -25,7 +30,28 @@ from runtime.core.model_output import LogitsProcessorOutput
 
 logger = logging.getLogger(__name__)
 
-_DEFAULT_ROWS = object()
+
+class _Rows(enum.Enum):
+    DEFAULT = "default"  # an enum member: still itself after pickling to another rank
+
+
+_DEFAULT_ROWS = _Rows.DEFAULT
+
+
+TARGET, DRAFT = "target", "draft"  # runner roles
+
+
+@dataclass(frozen=True)
+class HiddenRows:
+    """Where `captured_hidden_states` came from: rows `rows` (None: all) of the hidden
+    states of the latest forward of the runner with role `source`. Every rank holds those
+    (they are replicated), so another rank rebuilds the tensor instead of receiving it."""
+
+    source: str
+    rows: torch.Tensor | None = None
+
+    def take(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden if self.rows is None else hidden[self.rows.to(hidden.device)]
 
 
 @dataclass
@@ -41,6 +67,7 @@ class ModelInput:
     captured_hidden_states: torch.Tensor | None = None  # draft input: target hidden per row
     logits_row_indices: object = field(default=_DEFAULT_ROWS)  # rows to score; default by mode
     spec_step_idx: int = 0
+    hidden_rows: HiddenRows | None = None  # provenance of `captured_hidden_states`
 
 
 class ModelRunner:
@@ -51,13 +78,21 @@ class ModelRunner:
         slot_table: SlotTable,
         max_tokens_per_pass: int = 1,
         device: str = "cpu",
+        role: str = TARGET,
         capture: CaptureConfig | None = None,
+        verify_width: int | None = None,
     ):
+        """`max_tokens_per_pass`: the most positions a pass writes that a later one may
+        rewrite (the rings' slack). `verify_width`: the rows per request of a verify round
+        and of the draft's pass over it (default `max_tokens_per_pass`), the width captured
+        verify-shaped steps run at."""
         self.model, self.model_config = model, model_config
-        self.slot_table, self.device = slot_table, device
+        self.slot_table, self.device, self.role = slot_table, device, role
+        self.verify_width = verify_width or max_tokens_per_pass
+        self.broadcaster = None  # rank 0 of a multi-rank replica: see `rank_sync`
         geometry = PoolGeometry(
             max_reqs=slot_table.req_pool.max_reqs,
-            num_pages=slot_table.allocator.num_pages,
+            num_pages=slot_table.allocator.num_pages,  # the pools add the scratch page
             page_size=slot_table.page_size,
             max_tokens_per_pass=max_tokens_per_pass,
             dtype=model_config.dtype,
@@ -109,6 +144,14 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, inp: ModelInput) -> LogitsProcessorOutput:
+        if self.broadcaster is not None:
+            with self.broadcaster.forward(self.role, inp):
+                return self.run(inp)
+        return self.run(inp)
+
+    def run(self, inp: ModelInput) -> LogitsProcessorOutput:
+        """The forward on this rank alone (other ranks run theirs from the broadcast): the
+        captured step where there is one, else eagerly."""
         if self.graph_runner is not None:
             out = self.graph_runner.try_forward(inp)
             if out is not None:
@@ -117,3 +160,16 @@ class ModelRunner:
         return self.call_model(
             ctx, inp.input_ids.to(self.device), inp.captured_hidden_states, inp.spec_step_idx
         )
+
+    def commit_verified(self, req_pool_indices: torch.Tensor, num_accepted: torch.Tensor) -> None:
+        """Keep the caches' state after each request's accepted rows (recurrent states); the
+        same on every rank of a replica."""
+        self.pool_call("commit_verified", req_pool_indices, num_accepted)
+
+    def pool_call(self, method: str, *args, local: bool = False):
+        """`kv_pool.<method>(*args)` here and, on rank 0 of a replica, on every other rank:
+        any change to the caches outside a forward goes through this (args travel pickled,
+        tensors via the CPU). `local=True` runs it on this rank only (a replayed call)."""
+        if self.broadcaster is not None and not local:
+            self.broadcaster.pool_call(self.role, method, args)
+        return getattr(self.kv_pool, method)(*args)

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
+from runtime.constrained import bitmask as grammar_bitmask
 from runtime.core.forward_mode import CaptureHiddenMode, ForwardMode
 from runtime.core.step_io import Chunk, TokenOutput
 from runtime.execution.model_runner import ModelInput, ModelRunner
@@ -73,6 +74,26 @@ def log_softmax_rows(logits: torch.Tensor) -> torch.Tensor:
     return torch.log_softmax(logits.float(), dim=-1)
 
 
+def top_logprob_lists(req, rows: torch.Tensor) -> list[list[tuple[float, int]]] | None:
+    """The request's `top_logprobs_num` best (logprob, id) of each log-softmaxed row."""
+    if req.top_logprobs_num <= 0:
+        return None
+    values, ids = rows.topk(req.top_logprobs_num, dim=-1)
+    return [list(zip(v, i)) for v, i in zip(values.tolist(), ids.tolist())]
+
+
+def token_ids_logprob_lists(req, rows: torch.Tensor) -> list[list[tuple[float, int]]] | None:
+    """(logprob, id) of each of the request's `token_ids_logprob` in each log-softmaxed row."""
+    wanted = req.token_ids_logprob
+    if wanted is None:
+        return None
+    return [list(zip(values, wanted)) for values in rows[:, wanted].tolist()]
+
+
+def _new_token_rows(logprobs: torch.Tensor, b: int, tokens, row_offsets) -> torch.Tensor:
+    return logprobs[row_offsets[b] : row_offsets[b] + len(tokens[b])]
+
+
 def token_logprob_outputs(
     reqs: Sequence, logits: torch.Tensor, tokens: list[list[int]], row_offsets: list[int]
 ) -> list[tuple[list[float], list | None] | None]:
@@ -86,13 +107,26 @@ def token_logprob_outputs(
             continue
         if logprobs is None:
             logprobs = log_softmax_rows(logits)
-        rows = logprobs[row_offsets[b] : row_offsets[b] + len(tokens[b])]
+        rows = _new_token_rows(logprobs, b, tokens, row_offsets)
         values = rows.gather(1, torch.tensor(tokens[b]).unsqueeze(1)).squeeze(1).tolist()
-        top = None
-        if req.top_logprobs_num > 0:
-            top_vals, top_ids = rows.topk(req.top_logprobs_num, dim=-1)
-            top = [list(zip(v, i)) for v, i in zip(top_vals.tolist(), top_ids.tolist())]
-        out.append((values, top))
+        out.append((values, top_logprob_lists(req, rows)))
+    return out
+
+
+def token_ids_logprob_outputs(
+    reqs: Sequence, logits: torch.Tensor, tokens: list[list[int]], row_offsets: list[int]
+) -> list[list[list[tuple[float, int]]] | None]:
+    """Per request, the `token_ids_logprob` lists of its new tokens (rows as in
+    `token_logprob_outputs`); None for requests that did not ask."""
+    out = []
+    logprobs = None
+    for b, req in enumerate(reqs):
+        if not req.return_logprob or req.token_ids_logprob is None or not tokens[b]:
+            out.append(None)
+            continue
+        if logprobs is None:
+            logprobs = log_softmax_rows(logits)
+        out.append(token_ids_logprob_lists(req, _new_token_rows(logprobs, b, tokens, row_offsets)))
     return out
 
 
@@ -103,10 +137,13 @@ def sample_rows(
     vocab_size: int,
     eos_ids: set[int],
     generator: torch.Generator | None,
+    bitmask: torch.Tensor | None = None,
 ) -> list[int]:
-    """One token per row (`reqs[i]` owns row i, with tentative `extra[i]` tokens appended)."""
+    """One token per row (`reqs[i]` owns row i, with tentative `extra[i]` tokens appended);
+    `bitmask` (see `runtime.constrained.bitmask`) restricts rows with a grammar."""
     extra = extra or [()] * len(reqs)
-    logits = adjust_logits(logits, [RowHistory(r, e) for r, e in zip(reqs, extra)], eos_ids)
+    adjusted = adjust_logits(logits, [RowHistory(r, e) for r, e in zip(reqs, extra)], eos_ids)
+    logits = grammar_bitmask.apply(adjusted, bitmask, unadjusted=logits)
     batch = SamplingBatch.from_params([r.sampling_params for r in reqs], vocab_size)
     positions = torch.tensor([r.seq_len + len(e) for r, e in zip(reqs, extra)], dtype=torch.long)
     return sample(logits, batch, positions, generator).tolist()
@@ -133,9 +170,19 @@ class PlainWorker:
         inp = chunk_input(chunks, ForwardMode.DECODE if all_single else ForwardMode.EXTEND)
         rows = LogitRows(chunks)
         inp.logits_row_indices = rows.rows
+        bitmask = sampling_bitmask(chunks, self.vocab_size)  # host work before the forward
         logits = self.target.forward(inp).next_token_logits
-        outputs = chunk_outputs(chunks, rows, logits, self.vocab_size, self.eos_ids, self.generator)
+        outputs = chunk_outputs(
+            chunks, rows, logits, self.vocab_size, self.eos_ids, self.generator, bitmask
+        )
         return outputs[: len(prefill)], outputs[len(prefill) :]
+
+
+def sampling_bitmask(chunks: Sequence[Chunk], vocab_size: int) -> torch.Tensor | None:
+    """Grammar bitmask of the rows `chunk_outputs` samples (the completing chunks', in
+    order); None when none of them has a grammar."""
+    grammars = [c.req.grammar for c in chunks if c.completes]
+    return grammar_bitmask.next_token_bitmask(grammars, vocab_size)
 
 
 def chunk_outputs(
@@ -145,20 +192,25 @@ def chunk_outputs(
     vocab_size: int,
     eos_ids: set[int],
     generator: torch.Generator | None,
+    bitmask: torch.Tensor | None = None,
 ) -> list[TokenOutput]:
-    """Sample the next token of every chunk that reaches its request's end; logprobs where
-    asked (new tokens and prompt tokens)."""
+    """Sample the next token of every chunk that reaches its request's end (under its
+    grammar's row of `bitmask`, from `sampling_bitmask`); logprobs where asked (new tokens
+    and prompt tokens)."""
     outputs = [TokenOutput() for _ in chunks]
     sampling = [i for i, c in enumerate(chunks) if c.completes]
     if sampling:
         last = logits[[rows.last[i] for i in sampling]]
         reqs = [chunks[i].req for i in sampling]
-        tokens = sample_rows(reqs, last, None, vocab_size, eos_ids, generator)
-        lp = token_logprob_outputs(reqs, last, [[t] for t in tokens], list(range(len(reqs))))
-        for i, token, logprob in zip(sampling, tokens, lp):
+        tokens = sample_rows(reqs, last, None, vocab_size, eos_ids, generator, bitmask)
+        new = [[t] for t in tokens]
+        lp = token_logprob_outputs(reqs, last, new, list(range(len(reqs))))
+        ids_lp = token_ids_logprob_outputs(reqs, last, new, list(range(len(reqs))))
+        for i, token, logprob, ids_logprob in zip(sampling, tokens, lp, ids_lp):
             outputs[i].tokens = [token]
             if logprob is not None:
                 outputs[i].logprobs, outputs[i].top_logprobs = logprob
+            outputs[i].token_ids_logprobs = ids_logprob
     attach_prompt_logprobs(chunks, rows, logits, outputs)
     return outputs
 
@@ -166,14 +218,21 @@ def chunk_outputs(
 def attach_prompt_logprobs(
     chunks: Sequence[Chunk], rows: LogitRows, logits: torch.Tensor, outputs: list[TokenOutput]
 ) -> None:
-    """Prompt-token logprobs (and None for position 0) of the chunks that asked."""
+    """Prompt-token logprobs of the chunks that asked, from the rows this prefill already
+    computed (row p scores token p + 1; the prompt's first token gets None), with their
+    top and `token_ids_logprob` lists when asked."""
     for chunk, wanted, out in zip(chunks, rows.prompt, outputs):
         req = chunk.req
         if not wants_prompt_logprobs(req):
             continue
         entries: list[tuple[int, float | None]] = []
+        top: list | None = [] if req.top_logprobs_num > 0 else None
+        ids: list | None = [] if req.token_ids_logprob is not None else None
         if req.logprob_start_len == 0 and chunk.start == 0:
             entries.append((0, None))
+            for lists in (top, ids):
+                if lists is not None:
+                    lists.append(None)
         if wanted:
             lp = log_softmax_rows(logits[[i for _, i in wanted]])
             targets = torch.tensor([req.prompt_ids[pos + 1] for pos, _ in wanted]).unsqueeze(1)
@@ -181,4 +240,12 @@ def attach_prompt_logprobs(
                 (pos + 1, v)
                 for (pos, _), v in zip(wanted, lp.gather(1, targets).squeeze(1).tolist())
             ]
-        out.input_logprobs = entries
+            if top is not None:
+                top += top_logprob_lists(req, lp)
+            if ids is not None:
+                ids += token_ids_logprob_lists(req, lp)
+        out.input_logprobs, out.input_top_logprobs, out.input_token_ids_logprobs = (
+            entries,
+            top,
+            ids,
+        )

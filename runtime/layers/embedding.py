@@ -36,15 +36,17 @@ class VocabParallelEmbedding(nn.Module):
             (self.rows_per_rank, embedding_dim), params_dtype, self.weight_loader
         )
 
-    def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor, shard_id=None) -> None:
-        if loaded.shape[0] != self.num_embeddings or loaded.shape[1:] != param.shape[1:]:
+    def weight_loader(self, param: torch.Tensor, loaded, shard_id=None) -> None:
+        """Reads only this rank's rows of the `[vocab, dim]` table (lazy slices stay lazy)."""
+        if loaded.shape[0] != self.num_embeddings or tuple(loaded.shape[1:]) != param.shape[1:]:
             raise ValueError(
                 f"vocab table shape mismatch: expected ({self.num_embeddings}, "
                 f"{self.embedding_dim}), got {tuple(loaded.shape)}"
             )
-        rows = loaded[self.vocab_start : self.vocab_start + self.rows_per_rank]
-        param.data.zero_()
-        copy_checked(param.data[: rows.shape[0]], rows)
+        count = max(0, min(self.rows_per_rank, self.num_embeddings - self.vocab_start))
+        param.data.zero_()  # padding rows past the vocabulary
+        if count:
+            copy_checked(param.data[:count], loaded.narrow(0, self.vocab_start, count))
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:

@@ -21,10 +21,18 @@ class WeightShapeError(ValueError):
         super().__init__(f"shape mismatch{detail}: expected {self.expected}, got {self.got}")
 
 
-def copy_checked(dst: torch.Tensor, src: torch.Tensor, what: str = "") -> None:
+def materialize(loaded) -> torch.Tensor:
+    """A checkpoint tensor as a `torch.Tensor`: loaders may be handed a lazy slice (any
+    object with `shape`, `narrow(dim, start, length)` and `materialize()`, see
+    `runtime.model_loader.lazy`) so that a rank reads only its own shard."""
+    return loaded if isinstance(loaded, torch.Tensor) else loaded.materialize()
+
+
+def copy_checked(dst: torch.Tensor, src, what: str = "") -> None:
+    """Copy a checkpoint tensor (or lazy slice) into a parameter of the same shape."""
     if tuple(dst.shape) != tuple(src.shape):
         raise WeightShapeError(tuple(dst.shape), tuple(src.shape), what)
-    dst.copy_(src)
+    dst.copy_(materialize(src))
 
 
 def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor, shard_id=None) -> None:
@@ -58,6 +66,59 @@ def shard_range(total: int, rank: int, size: int) -> tuple[int, int]:
         raise ValueError(f"dimension {total} does not split evenly over {size} ranks")
     per = total // size
     return rank * per, (rank + 1) * per
+
+
+def shard_of(loaded, dim: int, rank: int, size: int, full: int | None = None, what: str = ""):
+    """This rank's even share of `loaded` along `dim` (the whole tensor when `size` is 1);
+    a lazy slice stays lazy, so only the share is ever read. `full`: the length `dim` must
+    have in the checkpoint (a `WeightShapeError` otherwise)."""
+    if full is not None and loaded.shape[dim] != full:
+        expected = list(loaded.shape)
+        expected[dim] = full
+        raise WeightShapeError(tuple(expected), tuple(loaded.shape), what)
+    if size == 1:
+        return loaded
+    if loaded.shape[dim] % size:
+        raise WeightShapeError(tuple(loaded.shape), tuple(loaded.shape), f"not divisible by {size}")
+    start, end = shard_range(loaded.shape[dim], rank, size)
+    return loaded.narrow(dim, start, end - start)
+
+
+def copy_stacked_shards(
+    dst: torch.Tensor, loaded, sizes: list[int], rank: int, size: int, what: str = ""
+) -> None:
+    """`loaded` stacks parts of `sizes` rows (dim 0); `dst` holds this rank's share of each
+    part, back to back (a fused q|k|v projection or its conv filter under TP)."""
+    if loaded.shape[0] != sum(sizes):
+        raise WeightShapeError((sum(sizes), *dst.shape[1:]), tuple(loaded.shape), what)
+    src = dst_row = 0
+    for part in sizes:
+        share = part // size
+        piece = loaded.narrow(0, src + rank * share, share)
+        copy_checked(dst[dst_row : dst_row + share], piece, what)
+        src, dst_row = src + part, dst_row + share
+
+
+def sharded_param(
+    full_shape: tuple[int, ...],
+    dim: int,
+    rank: int,
+    size: int,
+    dtype: torch.dtype | None = None,
+) -> nn.Parameter:
+    """A parameter holding this rank's even share of a `full_shape` checkpoint tensor along
+    `dim` (per-head vectors such as attention sinks or decay rates)."""
+    shape = list(full_shape)
+    if shape[dim] % size:
+        raise ValueError(f"dimension {shape[dim]} does not split evenly over {size} ranks")
+    shape[dim] //= size
+
+    def loader(param, loaded, shard_id=None) -> None:
+        default_weight_loader(param, shard_of(loaded, dim, rank, size, full_shape[dim]))
+
+    if size == 1:
+        return make_param(tuple(shape), dtype)
+    return make_param(tuple(shape), dtype, loader)
 
 
 def expect_loads(param: nn.Parameter, keys: set[tuple]) -> nn.Parameter:

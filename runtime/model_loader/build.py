@@ -47,8 +47,14 @@ def load_model(
     model = build_model(model_config, model_cls, mapping)
     skip = getattr(model, "skip_checkpoint_weight", None)
     # block_size=None: the FP8 block size comes from the checkpoint's quantization_config
+    # Lazy windows: every weight loader reads only the rows / columns its rank holds.
     weights = checkpoint_weights(
-        model_config.model_path, model_config.dtype, block_size=None, progress=progress, skip=skip
+        model_config.model_path,
+        model_config.dtype,
+        block_size=None,
+        progress=progress,
+        skip=skip,
+        lazy=True,
     )
     model.load_weights(weights)
     return model

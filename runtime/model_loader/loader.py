@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from runtime.model_loader.lazy import LazyDequantized, LazyTensor, iterate_lazy
 from runtime.model_loader.quantization import block_size_from_config, dequantize_tensor
 from runtime.model_loader.safetensors_io import (
     CheckpointError,
@@ -52,6 +53,7 @@ def checkpoint_weights(
     block_size: tuple[int, int] | None = (128, 128),
     progress: bool = True,
     skip: Callable[[str], bool] | None = None,
+    lazy: bool = False,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Iterator of `(name, tensor)` over the checkpoint in `model_dir`.
 
@@ -61,6 +63,10 @@ def checkpoint_weights(
     `weight_loader` casts. Names for which `skip(name)` is true are not read at all (a skipped
     weight's scale is not read either). The directory and headers are checked right away, so
     a bad path raises `CheckpointError` here, not on the first `next()`.
+
+    `lazy=True` yields `LazyTensor` / `LazyDequantized` windows instead (see
+    `runtime.model_loader.lazy`): nothing is read until a weight loader materializes the
+    rows or columns its rank holds. Each is valid until the next one is yielded.
     """
     index = CheckpointIndex(model_dir)
     if block_size is None:
@@ -68,7 +74,26 @@ def checkpoint_weights(
     pairs = quantized_pairs(index)
     scales = set(pairs.values())
     names = [n for n in index.names() if n not in scales and not (skip and skip(n))]
+    if lazy:
+        return _stream_lazy(index, names, pairs, dtype, block_size, progress)
     return _stream(index, names, pairs, dtype, block_size, progress)
+
+
+def _stream_lazy(
+    index: CheckpointIndex,
+    names: list[str],
+    pairs: dict[str, str],
+    dtype: torch.dtype,
+    block_size: tuple[int, int],
+    progress: bool,
+) -> Iterator[tuple[str, LazyTensor | LazyDequantized]]:
+    with TensorReader(index) as scales:
+        for name, tensor in iterate_lazy(index, names, progress=progress):
+            scale_name = pairs.get(name)
+            if scale_name is None:
+                yield name, tensor
+            else:
+                yield name, LazyDequantized(tensor, scales.get(scale_name), block_size, dtype)
 
 
 def _stream(

@@ -277,7 +277,7 @@ def iterate_tensors(
             if not file_names:
                 continue
             file_names.sort(key=lambda n: index.info(n).begin)
-            with _open(file) as f:
+            with open_shard(file) as f:
                 for name in file_names:
                     yield name, _get(f, file, name)
                     bar.update(1)
@@ -298,7 +298,7 @@ class TensorReader:
         file = self.index.file_of(name)
         handle = self._open.pop(file, None)
         if handle is None:
-            handle = _open(file).__enter__()
+            handle = open_shard(file).__enter__()
         self._open[file] = handle
         while len(self._open) > self.max_open:
             self._open.popitem(last=False)[1].__exit__(None, None, None)
@@ -315,7 +315,7 @@ class TensorReader:
         self.close()
 
 
-def _open(file: Path):
+def open_shard(file: Path):
     """`safe_open` on `file` (torch tensors, CPU), its errors turned into `CheckpointError`."""
     try:
         return safe_open(str(file), framework="pt", device="cpu")

@@ -12,7 +12,7 @@ as `EntryClass`. It holds `self.model` (the architecture's blocks), `self.lm_hea
           -> LogitsProcessorOutput   logits at `ctx.logits_row_indices`, captured hidden
 
   (positions, cache slots and the batch layout come from the `ForwardContext`);
-* `create_cache_pool` from the class's `cache_layout`;
+* `create_cache_pool` from the class's `cache_layout` for this rank's share (`mapping`);
 * weight loading: every checkpoint name goes through the model file's name tables
   (`map_weight_name`), per-expert tensors through the MoE checkpoint loader, and a
   parameter left unfilled is an error naming it;
@@ -108,12 +108,13 @@ class CausalLMBase(nn.Module):
 
     # caches -------------------------------------------------------------------------------
     @classmethod
-    def cache_layout(cls, config):
+    def cache_layout(cls, config, mapping: Mapping | None = None):
+        """What the caches hold for one rank of `mapping` (heads it owns, ...)."""
         raise NotImplementedError
 
-    @classmethod
-    def create_cache_pool(cls, config, geometry: PoolGeometry):
-        return cls.cache_pool_class(cls.cache_layout(config), geometry)
+    def create_cache_pool(self, config, geometry: PoolGeometry):
+        """This rank's cache pool, sized from its own share of the layers."""
+        return self.cache_pool_class(self.cache_layout(config, self.mapping), geometry)
 
     # weights ------------------------------------------------------------------------------
     def map_weight_name(self, name: str) -> ParamTarget | None:

@@ -20,7 +20,7 @@ from torch import nn
 
 from runtime.cache.deepseek_v4_pool import DeepseekV4CacheLayout, DeepseekV4KVPool
 from runtime.core.forward_context import ForwardContext
-from runtime.distributed import Mapping
+from runtime.distributed import Mapping, all_reduce
 from runtime.layers.attention.deepseek_v4 import DeepseekV4Attention, RopeInputs
 from runtime.layers.embedding import VocabParallelEmbedding
 from runtime.layers.hyper_connection import hc_head, hc_post, hc_pre
@@ -98,22 +98,34 @@ class DeepseekV4Gate(nn.Module):
 
 
 class DeepseekV4MoE(nn.Module):
+    """Router replicated; routed experts over `mapping.moe` (EP blocks x TP slices); the
+    shared expert split over the attention TP group."""
+
     def __init__(self, config, hashed: bool, mapping: Mapping):
         super().__init__()
         self.top_k, self.scoring_func = config.num_experts_per_tok, config.scoring_func
         self.renormalize = getattr(config, "norm_topk_prob", True)
         self.routed_scaling_factor = config.routed_scaling_factor
         self.gate = DeepseekV4Gate(config, hashed)
+        self.fused_reduction = mapping.moe_reduction_spans_tp
+        self.combine = mapping.moe.combine
         self.experts = FusedMoEExperts(
             config.n_routed_experts,
             config.hidden_size,
             config.moe_intermediate_size,
             mapping.moe.ep,
             config.swiglu_limit,
+            tp=mapping.moe.tp,
+            combine=mapping.moe.combine,
+            reduce_results=not self.fused_reduction,
         )
         shared_width = config.moe_intermediate_size * max(1, getattr(config, "n_shared_experts", 1))
         self.shared_experts = SwiGLUMLP(
-            config.hidden_size, shared_width, swiglu_limit=config.swiglu_limit
+            config.hidden_size,
+            shared_width,
+            tp=mapping.attn.tp,
+            swiglu_limit=config.swiglu_limit,
+            reduce_results=not self.fused_reduction,
         )
 
     def route(self, x: torch.Tensor, input_ids: torch.Tensor):
@@ -132,7 +144,8 @@ class DeepseekV4MoE(nn.Module):
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         weights, ids, shared = self.route(x, input_ids)
-        return self.experts(x, weights, ids) + shared
+        out = self.experts(x, weights, ids) + shared
+        return all_reduce(out, self.combine) if self.fused_reduction else out
 
 
 class DeepseekV4DecoderLayer(nn.Module):
@@ -161,6 +174,7 @@ class DeepseekV4DecoderLayer(nn.Module):
             self.compress_ratio,
             layer_id if cache_layer is None else cache_layer,
             build_rope(config, self.rope_kind),
+            tp=mapping.attn.tp,
         )
         self.ffn = DeepseekV4MoE(config, is_hash_layer(config, layer_id), mapping)
 
@@ -353,7 +367,8 @@ class DeepseekV4ForCausalLM(TargetModel):
         return DeepseekV4Model(config, mapping)
 
     @classmethod
-    def cache_layout(cls, config) -> DeepseekV4CacheLayout:
+    def cache_layout(cls, config, mapping: Mapping | None = None) -> DeepseekV4CacheLayout:
+        """The same on every rank: the KV latent is replicated."""
         return cache_layout_of(config, range(config.num_hidden_layers))
 
     @property

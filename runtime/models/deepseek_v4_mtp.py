@@ -29,7 +29,7 @@ from runtime.distributed import Mapping
 from runtime.layers.attention.deepseek_v4 import RopeInputs
 from runtime.layers.embedding import VocabParallelEmbedding
 from runtime.layers.hyper_connection import hc_head
-from runtime.layers.linear import ReplicatedLinear
+from runtime.layers.linear import ColumnParallelLinear
 from runtime.layers.norm import RMSNorm
 from runtime.layers.weight_utils import make_param
 from runtime.models.base import MISSING_MTP_ADVICE, DraftModel, ParamTarget
@@ -98,8 +98,10 @@ class DeepseekV4MultiTokenPredictorLayer(nn.Module):
         hidden = config.hidden_size
         self.enorm = RMSNorm(hidden, config.rms_norm_eps)
         self.hnorm = RMSNorm(hidden, config.rms_norm_eps)
-        self.e_proj = ReplicatedLinear(hidden, hidden)
-        self.h_proj = ReplicatedLinear(hidden, hidden)
+        # split by output rows and gathered back (exact), so no rank holds the whole matrix
+        tp = mapping.attn.tp
+        self.e_proj = ColumnParallelLinear(hidden, hidden, tp=tp, gather_output=True)
+        self.h_proj = ColumnParallelLinear(hidden, hidden, tp=tp, gather_output=True)
         self.hc_head_fn = make_param((config.hc_mult, config.hc_mult * hidden), torch.float32)
         self.hc_head_base = make_param((config.hc_mult,), torch.float32)
         self.hc_head_scale = make_param((1,), torch.float32)
@@ -201,7 +203,7 @@ class DeepseekV4ForCausalLMNextN(DraftModel):
         return self.config.sliding_window
 
     @classmethod
-    def cache_layout(cls, config) -> DeepseekV4CacheLayout:
+    def cache_layout(cls, config, mapping: Mapping | None = None) -> DeepseekV4CacheLayout:
         first = config.num_hidden_layers
         return cache_layout_of(config, range(first, first + config.num_nextn_predict_layers))
 

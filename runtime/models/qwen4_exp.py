@@ -20,12 +20,12 @@ from torch import nn
 
 from runtime.cache.qwen4_exp_pool import Qwen4ExpCacheLayout, Qwen4ExpKVPool
 from runtime.core.forward_context import ForwardContext
-from runtime.distributed import Mapping
-from runtime.layers.attention.qwen4_exp_qsa import QSAAttention
+from runtime.distributed import Mapping, all_reduce
+from runtime.layers.attention.qwen4_exp_qsa import QSAAttention, local_kv_heads
 from runtime.layers.embedding import VocabParallelEmbedding
 from runtime.layers.gated_residual import GatedResidual
 from runtime.layers.linear import ReplicatedLinear
-from runtime.layers.linear_attention.gated_delta_net import GatedDeltaNet
+from runtime.layers.linear_attention.gated_delta_net import GatedDeltaNet, local_head_counts
 from runtime.layers.mlp import SwiGLUMLP
 from runtime.layers.moe import ExpertCheckpointSchema, FusedMoEExperts, select_experts
 from runtime.layers.ple import PLELayer
@@ -65,7 +65,11 @@ def build_rope(config) -> RotaryEmbedding:
 
 
 class Qwen4ExpSparseMoe(nn.Module):
-    """softmax router (no bias) -> top-k renormalised experts + sigmoid-gated shared expert."""
+    """softmax router (no bias) -> top-k renormalised experts + sigmoid-gated shared expert.
+
+    Router and shared-expert gate replicated; routed experts over `mapping.moe`; the shared
+    expert split over the attention TP group. The gate is a per-row scalar, so the shared
+    expert's partial sums can join the routed experts' all-reduce when the groups match."""
 
     def __init__(self, config, mapping: Mapping):
         super().__init__()
@@ -73,12 +77,25 @@ class Qwen4ExpSparseMoe(nn.Module):
             config.num_experts_per_tok,
             getattr(config, "norm_topk_prob", True),
         )
+        self.fused_reduction = mapping.moe_reduction_spans_tp
+        self.combine = mapping.moe.combine
         self.gate = nn.Module()
         self.gate.weight = make_param((config.num_experts, config.hidden_size))
         self.experts = FusedMoEExperts(
-            config.num_experts, config.hidden_size, config.moe_intermediate_size, mapping.moe.ep
+            config.num_experts,
+            config.hidden_size,
+            config.moe_intermediate_size,
+            mapping.moe.ep,
+            tp=mapping.moe.tp,
+            combine=mapping.moe.combine,
+            reduce_results=not self.fused_reduction,
         )
-        self.shared_expert = SwiGLUMLP(config.hidden_size, config.shared_expert_intermediate_size)
+        self.shared_expert = SwiGLUMLP(
+            config.hidden_size,
+            config.shared_expert_intermediate_size,
+            tp=mapping.attn.tp,
+            reduce_results=not self.fused_reduction,
+        )
         self.shared_expert_gate = ReplicatedLinear(config.hidden_size, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -89,7 +106,8 @@ class Qwen4ExpSparseMoe(nn.Module):
             renormalize=self.renormalize,
         )
         shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return self.experts(x, weights, ids) + shared
+        out = self.experts(x, weights, ids) + shared
+        return all_reduce(out, self.combine) if self.fused_reduction else out
 
 
 class Qwen4ExpDecoderLayer(nn.Module):
@@ -106,10 +124,11 @@ class Qwen4ExpDecoderLayer(nn.Module):
         super().__init__()
         cache_layer = layer_id if cache_layer is None else cache_layer
         self.kind = kind or layer_kind(config, layer_id)
+        tp = mapping.attn.tp
         if self.kind == "linear":
-            self.linear_attn = GatedDeltaNet(config, cache_layer)
+            self.linear_attn = GatedDeltaNet(config, cache_layer, tp)
         else:
-            self.self_attn = QSAAttention(config, cache_layer, rope)
+            self.self_attn = QSAAttention(config, cache_layer, rope, tp)
         self.mlp = Qwen4ExpSparseMoe(config, mapping)
         ple_ids = list(getattr(config, "ple_layer_ids", None) or [])
         self.ple = (
@@ -247,23 +266,27 @@ def map_checkpoint_name(name: str) -> ParamTarget | None:
 
 
 def cache_layout_of(
-    config, kinds: tuple[str, ...] | None = None, ple_layers=None
+    config, kinds: tuple[str, ...] | None = None, ple_layers=None, mapping: Mapping | None = None
 ) -> Qwen4ExpCacheLayout:
-    """The cache layout of the trunk (default) or of the given layer kinds and PLE layers."""
+    """The cache layout of the trunk (default) or of the given layer kinds and PLE layers,
+    for one rank of `mapping`: its KV heads, its Gated DeltaNet heads (conv channels and
+    recurrent states); the QSA index keys and PLE rings are replicated."""
     cfg = text_config(config)
+    tp_size = mapping.attn.tp.size if mapping is not None else 1
     kinds = kinds or tuple(layer_kind(cfg, i) for i in range(cfg.num_hidden_layers))
     if ple_layers is None:
         ple_layers = tuple(i - 1 for i in (getattr(cfg, "ple_layer_ids", None) or []))
-    key_dim = cfg.linear_num_key_heads * cfg.linear_key_head_dim
+    k_heads, v_heads = local_head_counts(cfg, tp_size)
+    key_dim = k_heads * cfg.linear_key_head_dim
     return Qwen4ExpCacheLayout(
         layer_kinds=kinds,
         ple_layers=tuple(ple_layers),
-        num_kv_heads=cfg.num_key_value_heads,
+        num_kv_heads=local_kv_heads(cfg, tp_size),
         head_dim=cfg.head_dim,
         index_head_dim=getattr(cfg, "indexer_head_dim", None) or 1,
-        conv_dim=2 * key_dim + cfg.linear_num_value_heads * cfg.linear_value_head_dim,
+        conv_dim=2 * key_dim + v_heads * cfg.linear_value_head_dim,
         conv_kernel=cfg.linear_conv_kernel_dim,
-        num_v_heads=cfg.linear_num_value_heads,
+        num_v_heads=v_heads,
         head_k_dim=cfg.linear_key_head_dim,
         head_v_dim=cfg.linear_value_head_dim,
         hc_width=cfg.hc_count * cfg.hidden_size,
@@ -306,8 +329,8 @@ class Qwen4ExpForCausalLM(TargetModel):
         return Qwen4ExpModel(config, mapping)
 
     @classmethod
-    def cache_layout(cls, config) -> Qwen4ExpCacheLayout:
-        return cache_layout_of(config)
+    def cache_layout(cls, config, mapping: Mapping | None = None) -> Qwen4ExpCacheLayout:
+        return cache_layout_of(config, mapping=mapping)
 
     @property
     def num_routed_experts(self) -> int:

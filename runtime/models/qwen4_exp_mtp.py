@@ -28,7 +28,7 @@ from runtime.core.forward_context import ForwardContext
 from runtime.distributed import Mapping
 from runtime.layers.embedding import VocabParallelEmbedding
 from runtime.layers.gated_residual import GatedResidual
-from runtime.layers.linear import ReplicatedLinear
+from runtime.layers.linear import ColumnParallelLinear
 from runtime.layers.norm import OffsetRMSNorm
 from runtime.models.base import MISSING_MTP_ADVICE, DraftModel, ParamTarget
 from runtime.models.qwen4_exp import (
@@ -83,8 +83,10 @@ class Qwen4ExpMultiTokenPredictor(nn.Module):
             )
         hidden, eps = config.hidden_size, config.rms_norm_eps
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, hidden, mapping.attn.tp)
-        self.fc_embedding = ReplicatedLinear(hidden, hidden)
-        self.fc_hidden = ReplicatedLinear(hidden, hidden)
+        # vLLM's ColumnParallelLinear(gather_output=True): split rows, gathered back (exact)
+        tp = mapping.attn.tp
+        self.fc_embedding = ColumnParallelLinear(hidden, hidden, tp=tp, gather_output=True)
+        self.fc_hidden = ColumnParallelLinear(hidden, hidden, tp=tp, gather_output=True)
         self.pre_fc_norm_embedding = OffsetRMSNorm(hidden, eps)
         self.pre_fc_norm_hidden = OffsetRMSNorm(self.hc_count * hidden, eps)  # ungrouped on purpose
         self.rope = build_rope(config)
@@ -138,13 +140,14 @@ class Qwen4ExpMTP(DraftModel):
         return Qwen4ExpMultiTokenPredictor(config, mapping)
 
     @classmethod
-    def cache_layout(cls, config) -> Qwen4ExpCacheLayout:
-        return cache_layout_of(config, kinds=("attention",) * num_mtp_layers(config), ple_layers=())
+    def cache_layout(cls, config, mapping: Mapping | None = None) -> Qwen4ExpCacheLayout:
+        kinds = ("attention",) * num_mtp_layers(config)
+        return cache_layout_of(config, kinds=kinds, ple_layers=(), mapping=mapping)
 
-    @classmethod
-    def create_cache_pool(cls, config, geometry: PoolGeometry) -> Qwen4ExpKVPool:
+    def create_cache_pool(self, config, geometry: PoolGeometry) -> Qwen4ExpKVPool:
         """Chained draft steps reuse the QSA blocks the first step chose."""
-        return Qwen4ExpKVPool(cls.cache_layout(config), geometry, reuses_qsa_selection=True)
+        layout = self.cache_layout(config, self.mapping)
+        return Qwen4ExpKVPool(layout, geometry, reuses_qsa_selection=True)
 
     @property
     def num_routed_experts(self) -> int:

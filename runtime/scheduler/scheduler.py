@@ -11,8 +11,17 @@ Each `step()` runs one worker step over the running requests:
   that `supports_mixed` runs chunks and decode rows in the same step (the plain worker in
   one forward, the NEXTN worker as a verify round and an extend); otherwise prefill
   steps and decode steps alternate so neither starves.
-* when token pages run out for a decode, the most recently admitted request is retracted:
-  its pages are freed and it is re-queued to be recomputed from prompt + output so far.
+* when token pages run out for a decode, the prefix cache gives back what it holds first;
+  then the most recently admitted request is retracted: its pages are freed (its state goes
+  to the prefix cache) and it is re-queued to be recomputed from prompt + output so far.
+  A retracted request is rebuilt up to its newest token and decodes from there, as if it
+  had never been retracted (same verify rounds, same seeded draws).
+* the prefix cache (`runtime.cache.prefix_cache`) is consulted through a small interface:
+  match at admission, cache after prefill chunks that end at its snapshot points and when a
+  request finishes or is retracted, make room under pressure.
+* a worker step that raises fails only the requests it can be pinned on: its requests are
+  retracted and re-run in halves until the culprit fails alone (`fault_isolation`); an
+  error while admitting or committing one request aborts that request only.
 
 Finish checks run per emitted token, in order, so nothing after a stop leaks out.
 """
@@ -21,10 +30,13 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from collections.abc import Callable
 
+from runtime.cache.prefix_cache import Admission, PrefixCache
 from runtime.cache.slot_table import SlotTable
 from runtime.core.request import FinishReason, Req
 from runtime.core.step_io import Chunk, TokenOutput
+from runtime.scheduler.fault_isolation import FaultIsolation, SuspectGroup
 
 logger = logging.getLogger(__name__)
 
@@ -37,8 +49,17 @@ class Scheduler:
         eos_ids: set[int],
         max_running_requests: int,
         chunked_prefill_size: int | None = None,
+        prefix_cache: PrefixCache | None = None,
+        step_failure_is_fatal: Callable[[Exception], bool] | None = None,
     ):
+        """`step_failure_is_fatal(error)`: True when a worker step that raised leaves
+        something the scheduler cannot recover (another rank inside the forward): the error
+        is then raised instead of pinned on a request."""
         self.worker, self.slot_table = worker, slot_table
+        self.step_failure_is_fatal = step_failure_is_fatal
+        self.prefix_cache = prefix_cache or PrefixCache(slot_table)
+        # a speculative worker decodes a request only once it has drafts for it
+        self._needs_drafts = bool(getattr(worker, "needs_drafts", False))
         self.eos_ids = eos_ids
         self.max_running_requests = max_running_requests
         self.chunk_budget = (
@@ -46,154 +67,333 @@ class Scheduler:
         )
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
+        self.isolation = FaultIsolation()
         self._last_step_prefilled = False
         self.num_retractions = 0
+        self.num_failed_steps = 0
 
     # queue --------------------------------------------------------------------------------
     def add_request(self, req: Req) -> None:
         self.waiting.append(req)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.isolation.active)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests queued for admission, suspects of a failed step included."""
+        return len(self.waiting) + self.isolation.num_pending()
 
     def abort(self, rid: str, message: str = "aborted by the client") -> Req | None:
         """Stop a waiting or running request and free everything it holds."""
         for req in list(self.waiting):
             if req.rid == rid:
                 self.waiting.remove(req)
-                req.abort(message)
+                self._drop(req, message)
                 return req
         for req in self.running:
             if req.rid == rid:
                 self._release(req)
-                req.abort(message)
+                self._drop(req, message)
                 return req
-        return None
+        req = self.isolation.take_pending(rid)
+        if req is not None:
+            self._drop(req, message)
+        return req
+
+    def abort_all(self, message: str) -> list[Req]:
+        reqs = list(self.running) + list(self.waiting) + self.isolation.pending()
+        for req in reqs:
+            self.abort(req.rid, message)
+        return reqs
 
     # one step -----------------------------------------------------------------------------
     def step(self) -> list[Req]:
-        """Run one worker step; returns the requests that got tokens or finished in it."""
-        touched = self._admit()
-        touched += self._ensure_decode_slots()
-        prefill = self._plan_prefill()
-        decode = [r for r in self.running if r.is_decoding]
+        """Run one worker step; returns the requests that got tokens or finished in it.
+        While the requests of a failed step are re-run (`isolation.current()`), steps hold
+        only the current group of suspects."""
+        group = self.isolation.current()
+        touched = self._admit(group)
+        touched += self._ensure_decode_slots(group)
+        active = self._active(group)
+        prefill = self._plan_prefill(active)
+        decode = [r for r in active if self._decodes(r)]
         if prefill and decode and not self.worker.supports_mixed:
             if self._last_step_prefilled:
                 prefill = []
             else:
                 decode = []
         if not prefill and not decode:
+            self.isolation.settle()
             return touched
         self._last_step_prefilled = bool(prefill)
-        prefill_out, decode_out = self.worker.step(prefill, decode)
-        return (
-            touched
-            + self._commit_prefill(prefill, prefill_out)
-            + self._commit_decode(decode, decode_out)
-        )
+        try:
+            prefill_out, decode_out = self.worker.step(prefill, decode)
+        except Exception as error:  # noqa: BLE001 - pinned on its requests, see _isolate
+            if self.step_failure_is_fatal is not None and self.step_failure_is_fatal(error):
+                raise
+            return touched + self._isolate(prefill, decode, error)
+        touched += self._commit_prefill(prefill, prefill_out)
+        touched += self._commit_decode(decode, decode_out)
+        self.isolation.settle()
+        return touched
+
+    def tokens_to_admit(self, req: Req) -> int:
+        """Token slots reserved for `req` when it is admitted (and at each later step)."""
+        return self._needed(req)
 
     def _needed(self, req: Req) -> int:
-        return req.seq_len + self.worker.reserve_ahead()
+        """Token slots `req` needs for its next step: its tokens and what the worker writes
+        ahead of them, but never past the last position whose row can still emit a token
+        (`max_len - 2`): later rows of a speculative pass go to the scratch page."""
+        last_useful = len(req.prompt_ids) + req.sampling_params.max_new_tokens - 1
+        return min(req.seq_len + self.worker.reserve_ahead(), max(last_useful, req.seq_len))
 
-    def _admit(self) -> list[Req]:
+    def _decodes(self, req: Req) -> bool:
+        """The request's next step is a decode step (a request resumed from the prefix cache
+        right at its newest token still runs it as a prefill chunk to get its drafts)."""
+        return req.is_decoding and (not self._needs_drafts or req.draft_tokens is not None)
+
+    def _active(self, group: SuspectGroup | None) -> list[Req]:
+        """The running requests this step may schedule."""
+        if group is None:
+            return self.running
+        return [r for r in self.running if group.holds(r)]
+
+    def _admit(self, group: SuspectGroup | None) -> list[Req]:
+        """Move queued requests in (FCFS) while request slots and pages allow. A re-run
+        group of suspects takes the room of idle requests if it must: nothing else runs
+        until it is cleared."""
+        queue = self.waiting if group is None else group.pending
         rejected: list[Req] = []
-        while self.waiting and len(self.running) < self.max_running_requests:
-            req = self.waiting[0]
-            idx = self.slot_table.open_request()
-            if idx is None:
+        capacity = self.slot_table.allocator.capacity_tokens
+        while queue:
+            req = queue[0]
+            need = self._needed(req)
+            if need > capacity:  # could never run (the engine refuses such prompts up front)
+                queue.popleft()
+                self._drop(
+                    req,
+                    f"the request needs {need} tokens of KV cache but the pool holds "
+                    f"{capacity}; raise --max-total-tokens or shorten the prompt",
+                )
+                rejected.append(req)
+                continue
+            if group is None and self.prefix_cache.waits_for_prefix(req, self.running):
                 break
-            # keep a page of headroom per running request so they can keep decoding
-            headroom = len(self.running) * self.slot_table.page_size
-            fits = (
-                self.slot_table.allocator.available_tokens() >= self._needed(req) + headroom
-                or not self.running
-            )
-            if not fits or not self.slot_table.reserve(idx, self._needed(req)):
-                self.slot_table.release(idx)
-                if not self.running:
-                    self.waiting.popleft()
-                    req.finish(
-                        FinishReason(
-                            "abort",
-                            message=f"the request needs {self._needed(req)} tokens of KV cache but "
-                            f"the pool holds {self.slot_table.allocator.capacity_tokens}; raise "
-                            "--max-total-tokens or shorten the prompt",
-                        )
-                    )
-                    rejected.append(req)
-                    continue
+            try:
+                admission = self._try_admit(req, need, strict=group is None)
+            except Exception as error:  # noqa: BLE001 - fails this request only
+                logger.exception("admitting request %s failed", req.rid)
+                queue.popleft()
+                self._drop(req, f"internal error while admitting this request: {error!r}")
+                rejected.append(req)
+                continue
+            if admission is Admission.ADMITTED:
+                queue.popleft()
+                self.running.append(req)
+            elif admission is Admission.NO_ROOM and not self.running:
+                queue.popleft()  # alone and still no room: it can never run
+                self._drop(
+                    req,
+                    f"the request needs {need} tokens of KV cache but the pool holds "
+                    f"{capacity}; raise --max-total-tokens or shorten the prompt",
+                )
+                rejected.append(req)
+            elif group is None or not self._retract_idle(group):
                 break
-            self.waiting.popleft()
-            req.req_pool_idx, req.num_cached = idx, 0
-            self.running.append(req)
         return rejected
 
-    def _plan_prefill(self) -> list[Chunk]:
+    def _try_admit(self, req: Req, need: int, strict: bool) -> Admission:
+        """A request slot and `need` token slots for `req` (reusing what the prefix cache
+        holds). `strict` keeps a page of headroom per running request so those can keep
+        decoding."""
+        if len(self.running) >= self.max_running_requests:
+            return Admission.NO_REQUEST_SLOT
+        headroom = len(self.running) * self.slot_table.page_size if strict else 0
+        return self.prefix_cache.admit(req, need, headroom, alone=not self.running)
+
+    def _retract_idle(self, group: SuspectGroup) -> bool:
+        """Retract the newest running request outside `group`; False if there is none."""
+        idle = [r for r in self.running if not group.holds(r)]
+        if not idle:
+            return False
+        self._retract(idle[-1])
+        return True
+
+    def _plan_prefill(self, active: list[Req]) -> list[Chunk]:
         budget = self.chunk_budget
         chunks = []
-        for req in self.running:
-            if req.is_decoding:
+        for req in active:
+            if self._decodes(req):
                 continue
-            remaining = req.seq_len - req.num_cached
-            size = remaining if budget is None else min(remaining, budget)
-            if size <= 0:
+            remaining = self._prefill_end(req) - req.num_cached
+            if remaining <= 0:
+                continue
+            if budget is not None and budget <= 0:
                 break
-            chunks.append(Chunk(req, req.num_cached, req.num_cached + size))
+            size = remaining if budget is None else min(remaining, budget)
+            end = self.prefix_cache.chunk_end(req, req.num_cached, req.num_cached + size)
+            size = end - req.num_cached
+            chunks.append(Chunk(req, req.num_cached, end))
             if budget is not None:
                 budget -= size
         return chunks
 
-    def _ensure_decode_slots(self) -> list[Req]:
-        """Every decoding request needs slots for its next step: retract the newest
-        requests until they fit (a lone request that cannot fit is aborted)."""
+    def _prefill_end(self, req: Req) -> int:
+        """Where prefill stops: the end of the prompt, or for a retracted request with
+        output, just before its newest token (`Chunk.resumes`): that token is then decoded
+        as it would have been without the retraction, so a seeded request draws the same
+        randomness and a speculative one runs the same verify rounds (its last chunk drafts
+        them). A speculative request put back right at its newest token without drafts has
+        no row to draft from: it runs that token as a prefill chunk."""
+        if not req.output_ids:
+            return req.seq_len
+        if self._needs_drafts and req.num_cached == req.seq_len - 1:
+            return req.seq_len
+        return req.seq_len - 1
+
+    def _ensure_decode_slots(self, group: SuspectGroup | None) -> list[Req]:
+        """Every decoding request needs slots for its next step: the prefix cache gives
+        back what it holds first, then the newest requests are retracted (idle ones first
+        while suspects are re-run) until they fit; a lone request that cannot fit is
+        aborted."""
         while True:
-            decode = [r for r in self.running if r.is_decoding]
+            decode = [r for r in self._active(group) if self._decodes(r)]
             if all(self.slot_table.reserve(r.req_pool_idx, self._needed(r)) for r in decode):
                 return []
-            victim = self.running[-1]
-            self._release(victim)
-            if not self.running:
-                victim.abort(
+            short = sum(
+                self.slot_table.pages_needed(r.req_pool_idx, self._needed(r)) for r in decode
+            )
+            short -= self.slot_table.allocator.available_pages()
+            if short > 0 and self.prefix_cache.make_room(short) >= short:
+                continue
+            idle = [] if group is None else [r for r in self.running if not group.holds(r)]
+            victim = (idle or self.running)[-1]
+            if len(self.running) == 1:
+                self._release(victim, keep_state=True)
+                self._drop(
+                    victim,
                     "out of KV cache: this request alone needs more tokens than the pool "
-                    "holds; raise --max-total-tokens or lower max_new_tokens"
+                    "holds; raise --max-total-tokens or lower max_new_tokens",
                 )
                 return [victim]
-            victim.num_cached, victim.draft_tokens = 0, None
-            victim.num_retractions += 1
-            self.num_retractions += 1
-            self.waiting.appendleft(victim)
+            self._retract(victim)
             logger.info(
                 "retracted request %s (%d tokens) to free KV cache", victim.rid, victim.seq_len
             )
 
-    def _release(self, req: Req) -> None:
+    def _retract(self, req: Req) -> None:
+        """Free `req`'s slots (the prefix cache may keep its state) and queue it to be
+        rebuilt from prompt + output so far. Its drafts stay: they are valid if it resumes
+        right at its newest token (the prefix cache clears them otherwise)."""
+        self._release(req, keep_state=True)
+        self._restart(req)
+        self.num_retractions += 1
+        if not self.isolation.requeue(req):
+            self.waiting.appendleft(req)
+
+    def _restart(self, req: Req) -> None:
+        """`req` holds no cache any more: prompt logprobs of an unfinished prompt are
+        recomputed with it."""
+        req.num_cached = 0
+        req.num_retractions += 1
+        if not req.input_logprobs_done:
+            req.input_token_logprobs = []
+            req.input_top_logprobs = []
+            req.input_token_ids_logprobs = []
+
+    def _release(self, req: Req, keep_state: bool = False, verify_row: int | None = None) -> None:
+        """Free what `req` holds; with `keep_state` the prefix cache may keep its computed
+        prefix (see `PrefixCache.release` for `verify_row`)."""
         self.running.remove(req)
-        self.slot_table.release(req.req_pool_idx)
-        req.req_pool_idx = None
+        self.prefix_cache.release(req, keep_state, verify_row)
+
+    def _drop(self, req: Req, message: str) -> None:
+        """Abort a request that holds no slots (any more)."""
+        req.abort(message)
+        self.isolation.forget(req)
+
+    # failures -----------------------------------------------------------------------------
+    def _isolate(self, prefill: list[Chunk], decode: list[Req], error: Exception) -> list[Req]:
+        """A worker step raised. Alone, its request is aborted with the error; otherwise
+        every request of the step is retracted and becomes a suspect (`fault_isolation`):
+        the others' outputs are those of a run without the culprit. Nothing the failed step
+        may have written is kept: no state goes to the prefix cache, drafts are dropped."""
+        self.num_failed_steps += 1
+        failed = [(c.req, c.end) for c in prefill] + [(r, r.seq_len) for r in decode]
+        logger.warning(
+            "a step over %d request(s) failed; %s",
+            len(failed),
+            "aborting it" if len(failed) == 1 else "re-running them in halves",
+            exc_info=error,
+        )
+        if len(failed) == 1:
+            req = failed[0][0]
+            self._release(req)
+            self._drop(req, f"internal error while running this request: {error!r}")
+            return [req]
+        for req, _ in failed:
+            self._release(req)
+            self._restart(req)
+            req.draft_tokens = None
+        self.isolation.suspect(failed)
+        return []
 
     # results ------------------------------------------------------------------------------
     def _commit_prefill(self, chunks: list[Chunk], outputs: list[TokenOutput]) -> list[Req]:
         touched = []
         for chunk, out in zip(chunks, outputs):
-            req = chunk.req
-            if out.input_logprobs:
-                req.input_token_logprobs += [
-                    (lp, req.prompt_ids[pos]) for pos, lp in out.input_logprobs
-                ]
-            req.num_cached = chunk.end
-            if chunk.end >= len(req.prompt_ids):
-                req.input_logprobs_done = True
-            self._store_speculation(req, out)
-            if out.tokens:
-                self._append(req, out)
-                touched.append(req)
+            if self._commit_one(chunk.req, self._commit_chunk, chunk, out):
+                touched.append(chunk.req)
         return touched
 
     def _commit_decode(self, reqs: list[Req], outputs: list[TokenOutput]) -> list[Req]:
         for req, out in zip(reqs, outputs):
-            self._store_speculation(req, out)
-            self._append(req, out)
+            self._commit_one(req, self._commit_round, req, out)
         return list(reqs)
+
+    def _commit_one(self, req: Req, commit, *args) -> bool:
+        """Run `commit(*args)` for one request; an error aborts that request only. True
+        when the request changed in a way its caller must see (tokens, finished)."""
+        try:
+            return commit(*args)
+        except Exception as error:  # noqa: BLE001 - e.g. a detokenizer failing on a token
+            logger.exception("committing the output of request %s failed", req.rid)
+            if req.req_pool_idx is not None:
+                self._release(req)
+            self._drop(req, f"internal error while committing this request: {error!r}")
+            return True
+
+    def _commit_chunk(self, chunk: Chunk, out: TokenOutput) -> bool:
+        req = chunk.req
+        if out.input_logprobs:
+            req.input_token_logprobs += [
+                (lp, req.prompt_ids[pos]) for pos, lp in out.input_logprobs
+            ]
+            req.input_top_logprobs += out.input_top_logprobs or []
+            req.input_token_ids_logprobs += out.input_token_ids_logprobs or []
+        req.num_cached = chunk.end
+        if chunk.end >= len(req.prompt_ids):
+            req.input_logprobs_done = True
+        if not chunk.completes:
+            self.prefix_cache.after_prefill_chunk(req)
+        self._store_speculation(req, out)
+        if chunk.completes and req.sampling_params.max_new_tokens == 0:
+            # a scoring request (prompt logprobs only): its prefill is all it wanted
+            req.finish(FinishReason("length", length=0))
+            self._release(req)
+            self.isolation.forget(req)
+            return True
+        if out.tokens:
+            self._append(req, out)
+            return True
+        return False
+
+    def _commit_round(self, req: Req, out: TokenOutput) -> bool:
+        self._store_speculation(req, out)
+        self._append(req, out)
+        return True
 
     @staticmethod
     def _store_speculation(req: Req, out: TokenOutput) -> None:
@@ -204,13 +404,21 @@ class Scheduler:
             req.draft_tokens = out.draft_tokens
 
     def _append(self, req: Req, out: TokenOutput) -> None:
+        appended = 0
         for i, token in enumerate(out.tokens):
             if out.logprobs is not None:
                 req.output_token_logprobs.append((out.logprobs[i], token))
                 if out.top_logprobs is not None:
                     req.output_top_logprobs.append(out.top_logprobs[i])
+            if out.token_ids_logprobs is not None:
+                req.output_token_ids_logprobs.append(out.token_ids_logprobs[i])
+            appended = i + 1
             if req.append_token(token, self.eos_ids):
                 break
         req.num_cached = req.seq_len - 1  # the newest token is not in the cache yet
         if req.finished:
-            self._release(req)
+            # a speculative round that emitted tokens past the stop left the caches at its
+            # last row; the state at the stop is that after verify row `appended - 1`
+            verify_row = appended - 1 if appended < len(out.tokens) else None
+            self._release(req, keep_state=True, verify_row=verify_row)
+            self.isolation.forget(req)

@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Admin routes, SGLang's names and answers: `/health`, `/health_generate`,
-`/get_server_info` (alias `/server_info`), `/get_model_info`, `/flush_cache`,
+`/server_info` (alias `/get_server_info`), `/model_info` (alias `/get_model_info`),
+`/flush_cache`,
 `/abort_request` and Prometheus `/metrics`. Load figures come from the engine's published
 `EngineStats` snapshot; nothing here touches the scheduler."""
 
@@ -14,8 +15,9 @@ from fastapi.responses import PlainTextResponse, Response
 
 from runtime.core.errors import InvalidRequestError
 from runtime.core.version import package_version
+from runtime.server.errors import error_response
+from runtime.server.request_body import json_body
 from runtime.server.state import State
-from runtime.server.streaming import json_body
 
 router = APIRouter()
 
@@ -50,20 +52,24 @@ async def health_generate(state: State):
 @router.get("/get_server_info")
 @router.get("/server_info")
 async def server_info(state: State):
+    info = {**state.args.to_json(), **state.engine.info.to_json()}
+    for key in ("model_path", "tokenizer_path"):  # names, not filesystem paths
+        info[key] = state.public_path(info.get(key))
     return {
-        **state.args.to_json(),
-        **state.engine.info.to_json(),
+        **info,
+        "vocab_size": state.core.model_config.vocab_size,
         "internal_states": [state.engine.stats.to_json()],
         "version": package_version(),
     }
 
 
 @router.get("/get_model_info")
+@router.get("/model_info")
 async def model_info(state: State):
-    model_path = state.engine.info.model_path
+    tokenizer_path = state.args.tokenizer_path or state.engine.info.model_path
     return {
-        "model_path": model_path,
-        "tokenizer_path": state.args.tokenizer_path or model_path,
+        "model_path": state.model_name,
+        "tokenizer_path": state.public_path(tokenizer_path),
         "is_generation": True,
         "served_model_name": state.model_name,
         "architectures": list(state.core.model_config.architectures),
@@ -79,12 +85,22 @@ async def flush_cache(state: State):
 
 @router.post("/abort_request")
 async def abort_request(request: Request, state: State):
+    """SGLang's abort: `{"rid": ...}` aborts that request, or every choice of the `n > 1`
+    request the client named so; `{"abort_all": true}` aborts everything. An id nothing
+    live has is a 404 saying so (SGLang answers 200 and does nothing)."""
     body = await json_body(request)
+    if isinstance(body, dict) and body.get("abort_all") is True:
+        state.engine.abort_all("aborted by the client (abort_all)")
+        return {"aborted": "all"}
     rid = body.get("rid") if isinstance(body, dict) else None
     if not isinstance(rid, str):
-        raise InvalidRequestError("send {'rid': '<request id>'}")
-    state.engine.abort(rid)
-    return Response(status_code=200)
+        raise InvalidRequestError("send {'rid': '<request id>'}", param="rid")
+    aborted = state.engine.abort(rid)
+    if not aborted:
+        return error_response(
+            request, f"no live request has the id '{rid}': nothing was aborted", 404, "rid"
+        )
+    return {"aborted": aborted}
 
 
 @router.get("/metrics")

@@ -42,6 +42,14 @@ class ServerMetrics:
         self.token_usage = gauge("token_usage", "Fraction of KV cache token slots in use")
         self.accept_length = gauge("spec_accept_length", "Average speculative accept length")
         self.throughput = gauge("gen_throughput", "Generated tokens per second in the last step")
+        self.cache_hit_rate = gauge(
+            "cache_hit_rate", "Fraction of prompt tokens served from the prefix cache"
+        )
+        self.cached_tokens = counter("cached_tokens", "Prompt tokens served from the prefix cache")
+        self.evicted_tokens = counter(
+            "cache_evicted_tokens", "Token slots the prefix cache gave back under memory pressure"
+        )
+        self._evicted_seen = 0
         self._seen: dict[str, tuple[int, float]] = {}  # rid -> (tokens counted, time of last token)
 
     def observe_step(self, results: list[RequestResult], stats: EngineStats, seconds: float):
@@ -54,12 +62,16 @@ class ServerMetrics:
                 self._seen.pop(result.rid, None)
                 self.requests.inc()
                 self.prompt_tokens.inc(result.prompt_tokens)
+                self.cached_tokens.inc(result.cached_tokens)
                 self.e2e.observe(result.timing.e2e_latency)
                 if result.aborted:
                     self.aborted.inc()
         self.running.set(stats.num_running_reqs)
         self.waiting.set(stats.num_waiting_reqs)
         self.token_usage.set(stats.token_usage)
+        self.cache_hit_rate.set(stats.cache_hit_rate)
+        self.evicted_tokens.inc(max(0, stats.cache_evicted_tokens - self._evicted_seen))
+        self._evicted_seen = max(self._evicted_seen, stats.cache_evicted_tokens)
         if stats.avg_spec_accept_length is not None:
             self.accept_length.set(stats.avg_spec_accept_length)
         if seconds > 0:

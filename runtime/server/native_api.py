@@ -4,33 +4,24 @@ the engine's SGLang renderer (the same one `Engine.generate` uses)."""
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
+from starlette.concurrency import run_in_threadpool
 
 from runtime.core.errors import InvalidRequestError
 from runtime.core.request import Req
 from runtime.core.result import RequestResult
 from runtime.engine.engine import Engine
 from runtime.engine.sglang_output import render_generate
-from runtime.server.state import ServerState, State
-from runtime.server.streaming import collect, json_body, merged, sse
+from runtime.server.generate_fields import check_fields
+from runtime.server.request_body import json_body
+from runtime.server.state import State
+from runtime.server.streaming import collect, guarded_sse, merged, sse
 
 router = APIRouter()
-
-# Accepted for compatibility but unused by this runtime; a non-null value is refused.
-_UNSUPPORTED = (
-    "input_embeds",
-    "image_data",
-    "video_data",
-    "audio_data",
-    "lora_path",
-    "session_params",
-    "custom_logit_processor",
-    "return_hidden_states",
-    "token_ids_logprob",
-)
 
 
 def _expect(value, types, name: str):
@@ -40,7 +31,9 @@ def _expect(value, types, name: str):
         return None
     if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
         kinds = " or ".join(t.__name__ for t in types)
-        raise InvalidRequestError(f"'{name}' must be {kinds}, got {type(value).__name__}")
+        raise InvalidRequestError(
+            f"'{name}' must be {kinds}, got {type(value).__name__}", param=name
+        )
     return value
 
 
@@ -59,14 +52,15 @@ def _prompts(body: dict, engine: Engine) -> tuple[list, bool]:
     """(prompts as token id lists, whether the body is a batch)."""
     text, input_ids = body.get("text"), body.get("input_ids")
     if (text is None) == (input_ids is None):
-        raise InvalidRequestError("send exactly one of 'text' or 'input_ids'")
+        raise InvalidRequestError("send exactly one of 'text' or 'input_ids'", param="text")
     if text is not None:
         _expect(text, (str, list), "text")
         batched = isinstance(text, list)
         texts = text if batched else [text]
         if any(not isinstance(t, str) for t in texts):
-            raise InvalidRequestError("'text' must be a string or a list of strings")
-        prompts = [engine.tokenize(t) if t else [] for t in texts]
+            raise InvalidRequestError("'text' must be a string or a list of strings", param="text")
+        param = "text" if not batched else "text[{}]"
+        prompts = [engine.tokenize(t, param.format(i)) if t else [] for i, t in enumerate(texts)]
     else:
         _expect(input_ids, list, "input_ids")
         batched = bool(input_ids) and isinstance(input_ids[0], list)
@@ -81,7 +75,7 @@ def _per_prompt(value, count: int, name: str, kind: type) -> list:
     (or null) is shared."""
     if isinstance(value, list):
         if len(value) != count:
-            raise InvalidRequestError(f"'{name}' list must have one entry per prompt")
+            raise InvalidRequestError(f"'{name}' list must have one entry per prompt", param=name)
         for item in value:
             _expect(item, kind, name)
         return value
@@ -89,40 +83,64 @@ def _per_prompt(value, count: int, name: str, kind: type) -> list:
     return [value] * count
 
 
+def _token_ids_logprob(value, count: int) -> list:
+    """SGLang's `token_ids_logprob`: one id list shared by every prompt, or one per prompt."""
+    _expect(value, list, "token_ids_logprob")
+    if value is None or all(isinstance(v, int) for v in value):
+        return [value] * count
+    return _per_prompt(value, count, "token_ids_logprob", list)
+
+
 def parse_generate(body, engine: Engine) -> GenerateCall:
+    """The requests of a `/generate` body (SGLang's `GenerateReqInput`). Builds them, grammar
+    compilation included, so call it off the event loop."""
     if not isinstance(body, dict):
         raise InvalidRequestError("the request body must be a JSON object")
-    for name in _UNSUPPORTED:
-        if body.get(name) is not None:
-            raise InvalidRequestError(f"'{name}' is not supported by this server")
+    check_fields(body)
     prompts, batched = _prompts(body, engine)
-    params = _per_prompt(body.get("sampling_params"), len(prompts), "sampling_params", dict)
-    rids = _per_prompt(body.get("rid"), len(prompts), "rid", str)
-    if isinstance(body.get("rid"), str) and len(prompts) > 1:
-        raise InvalidRequestError("'rid' must be a list with one id per prompt for a batch")
+    count = len(prompts)
+    params = _per_prompt(body.get("sampling_params"), count, "sampling_params", dict)
+    rids = _per_prompt(body.get("rid"), count, "rid", str)
+    if isinstance(body.get("rid"), str) and count > 1:
+        raise InvalidRequestError(
+            "'rid' must be a list with one id per prompt for a batch", param="rid"
+        )
     stream = bool(_expect(body.get("stream", False), bool, "stream"))
-    start = _expect(body.get("logprob_start_len", -1), int, "logprob_start_len")
-    options = dict(
-        return_logprob=bool(_expect(body.get("return_logprob", False), bool, "return_logprob")),
-        top_logprobs_num=_expect(body.get("top_logprobs_num", 0), int, "top_logprobs_num") or 0,
-        logprob_start_len=-1 if start is None else start,
+    per_prompt = zip(
+        _per_prompt(body.get("return_logprob"), count, "return_logprob", bool),
+        _per_prompt(body.get("logprob_start_len"), count, "logprob_start_len", int),
+        _per_prompt(body.get("top_logprobs_num"), count, "top_logprobs_num", int),
+        _token_ids_logprob(body.get("token_ids_logprob"), count),
     )
+    with_text = bool(_expect(body.get("return_text_in_logprobs"), bool, "return_text_in_logprobs"))
+    options = [
+        dict(
+            return_logprob=bool(logprob),
+            logprob_start_len=-1 if start is None else start,
+            top_logprobs_num=top or 0,
+            token_ids_logprob=ids,
+            return_text_in_logprobs=with_text,
+        )
+        for logprob, start, top, ids in per_prompt
+    ]
     groups = [
-        engine.make_requests(ids, p, rid=rid, **options)
-        for ids, p, rid in zip(prompts, params, rids)
+        engine.make_requests(ids, p, rid=rid, **option)
+        for ids, p, rid, option in zip(prompts, params, rids, options)
     ]
     return GenerateCall(groups, batched, stream)
 
 
-def response_shape(call: GenerateCall, results: list[RequestResult]):
+def response_shape(call: GenerateCall, results: list[RequestResult], token_texts=None):
     """One object for one prompt and n = 1, else a flat list (SGLang's layout)."""
-    rendered = [render_generate(r) for r in results]
+    rendered = [render_generate(r, token_texts) for r in results]
     return rendered[0] if not call.batched and len(rendered) == 1 else rendered
 
 
-async def _stream(state: ServerState, reqs: list[Req], indexed: bool):
-    async for index, snapshot in merged(state.engine, reqs):
-        payload = render_generate(snapshot)
+async def _stream(
+    snapshots: AsyncIterator[tuple[int, RequestResult]], indexed: bool, token_texts
+) -> AsyncIterator[str]:
+    async for index, snapshot in snapshots:
+        payload = render_generate(snapshot, token_texts)
         if indexed:
             payload["index"] = index
         yield sse(payload)
@@ -131,9 +149,16 @@ async def _stream(state: ServerState, reqs: list[Req], indexed: bool):
 
 @router.post("/generate")
 async def generate(request: Request, state: State):
-    call = parse_generate(await json_body(request), state.core)
+    """Parsing and tokenizing run in a worker thread (a long prompt must not stall the
+    event loop); a live `rid` is refused with 409."""
+    call = await run_in_threadpool(parse_generate, await json_body(request), state.core)
     reqs = call.requests
+    state.engine.submit(reqs)
     if call.stream:
         indexed = call.batched or len(reqs) > 1
-        return StreamingResponse(_stream(state, reqs, indexed), media_type="text/event-stream")
-    return response_shape(call, await collect(request, state.engine, reqs))
+        events = _stream(merged(request, state.engine, reqs), indexed, state.core.token_texts)
+        return StreamingResponse(
+            guarded_sse(events, request.url.path), media_type="text/event-stream"
+        )
+    results = await collect(request, state.engine, reqs)
+    return await run_in_threadpool(response_shape, call, results, state.core.token_texts)

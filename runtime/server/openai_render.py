@@ -42,14 +42,32 @@ def _new_logprobs(result: RequestResult, start: int):
     )
 
 
-def completion_logprobs(result: RequestResult, tokenizer, start: int = 0) -> dict:
+def completion_logprobs(
+    result: RequestResult, tokenizer, start: int = 0, with_prompt: bool = False
+) -> dict:
+    """OpenAI's completion `logprobs`: the output tokens from `start` on, preceded, with
+    `with_prompt` (echo), by the prompt's tokens (the first one's logprob null, as in the
+    OpenAI API and SGLang). `top_logprobs` has one entry per token (null for the first
+    prompt token) when the request asked for top logprobs, else it is null."""
     entries, tops = _new_logprobs(result, start)
-    tokens = [token_text(tokenizer, t) for _, t in entries]
+    wants_top = result.logprobs is not None and result.logprobs.top_logprobs_num > 0
+    if with_prompt and result.logprobs is not None:
+        prompt = result.logprobs.input_token_logprobs
+        entries = tuple(prompt) + tuple(entries)
+        prompt_tops = result.logprobs.input_top_logprobs or (None,) * len(prompt)
+        tops = tuple(prompt_tops) + tuple(tops)
+    ids = [t for _, t in entries]
+    tokens = [token_text(tokenizer, t) for t in ids]
+    special = set(getattr(tokenizer, "all_special_ids", ()) or ())
     offsets, pos = [], 0
-    for tok in tokens:
+    for tid, tok in zip(ids, tokens):
         offsets.append(pos)
-        pos += len(tok)
-    top_maps = [{token_text(tokenizer, t): lp for lp, t in top} for top in tops] if tops else None
+        pos += 0 if tid in special else len(tok)  # special tokens are not in the text
+    top_maps = None
+    if wants_top:
+        top_maps = [
+            None if top is None else {token_text(tokenizer, t): lp for lp, t in top} for top in tops
+        ]
     return {
         "tokens": tokens,
         "token_logprobs": [lp for lp, _ in entries],
@@ -75,14 +93,15 @@ def chat_logprobs(result: RequestResult, tokenizer, start: int = 0) -> dict:
 
 
 def usage(results: list[RequestResult], n: int) -> dict:
-    """Token counts; each prompt counts once however many choices (`n`) it has."""
+    """Token counts; each prompt counts once however many choices (`n`) it has, its prompt
+    and cached tokens those of its first choice (as SGLang's OpenAI serving sums them)."""
     prompt = sum(r.prompt_tokens for r in results[::n])
     completion = sum(r.completion_tokens for r in results)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": 0},
+        "prompt_tokens_details": {"cached_tokens": sum(r.cached_tokens for r in results[::n])},
     }
 
 
@@ -119,11 +138,12 @@ def chat_opening_choice(index: int) -> dict:
 def completion_response(
     results: list[RequestResult], n: int, model: str, tokenizer, echo_texts, logprobs: bool
 ) -> dict:
-    """`echo_texts`: one prompt text per prompt to put before its choices' text, or None."""
+    """`echo_texts`: one prompt text per prompt to put before its choices' text (and the
+    prompt's tokens before their logprobs), or None."""
     choices = []
     for i, r in enumerate(results):
         text = (echo_texts[i // n] if echo_texts else "") + (r.text or "")
-        lp = completion_logprobs(r, tokenizer) if logprobs else None
+        lp = completion_logprobs(r, tokenizer, with_prompt=bool(echo_texts)) if logprobs else None
         choices.append(completion_choice(i, text, *finish_reason(r), lp))
     return {
         "id": f"cmpl-{uuid.uuid4().hex}",

@@ -5,6 +5,7 @@ functions as a FastAPI dependency (`state: State`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Annotated
 
 from fastapi import Depends, Request
@@ -20,7 +21,7 @@ class ServerState:
     engine: AsyncEngine
     args: ServerArgs
     metrics: ServerMetrics | None
-    model_name: str  # --served-model-name, or the model path
+    model_name: str  # --served-model-name, or the model directory's name
 
     @property
     def core(self) -> Engine:
@@ -28,10 +29,19 @@ class ServerState:
         requests (`make_request`, `tokenize`) and its fixed configuration."""
         return self.engine.engine
 
-    @property
-    def served_names(self) -> set[str]:
-        """Model names a client may ask for."""
-        return {self.model_name, self.engine.info.model_path}
+    def public_path(self, path: str | None) -> str | None:
+        """A checkpoint or tokenizer path as responses show it: the served name for the
+        model itself, else the directory's name (never a filesystem path)."""
+        if path is None:
+            return None
+        if path == self.engine.info.model_path:
+            return self.model_name
+        return public_name(path)
+
+
+def public_name(path: str) -> str:
+    """The last component of a directory path (`/ckpt/deepseek_v4_tiny/` -> its name)."""
+    return Path(path.rstrip("/\\")).name or path
 
 
 def server_state(request: Request) -> ServerState:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import AsyncIterator
 
 from fastapi import Request
@@ -13,8 +14,11 @@ from fastapi import Request
 from runtime.core.request import Req
 from runtime.core.result import RequestResult
 from runtime.engine.async_engine import AsyncEngine
+from runtime.server.errors import error_payload
 
-DISCONNECT_POLL_S = 0.2  # how often a non-streaming handler checks that its client is there
+logger = logging.getLogger(__name__)
+
+DISCONNECT_POLL_S = 0.2  # how often a handler checks that its client is still there
 
 
 def sse(payload) -> str:
@@ -22,10 +26,17 @@ def sse(payload) -> str:
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
 
 
-async def json_body(request: Request):
-    """The parsed body (`{}` when empty); bad JSON raises `json.JSONDecodeError` (a 400)."""
-    raw = await request.body()
-    return json.loads(raw) if raw else {}
+async def guarded_sse(events: AsyncIterator[str], path: str) -> AsyncIterator[str]:
+    """`events`, but an error part-way (the status line is gone already) ends the stream
+    with an error event in the route's shape and `[DONE]` (as SGLang's streams do)."""
+    try:
+        async for event in events:
+            yield event
+    except Exception as err:  # noqa: BLE001 - reported to the client, logged here
+        logger.error("stream of %s failed", path, exc_info=err)
+        message = f"internal server error: {type(err).__name__}: {err}"
+        yield sse(error_payload(path, message, 500))
+        yield sse("[DONE]")
 
 
 async def _abort_on_disconnect(request: Request, reqs: list[Req], engine: AsyncEngine) -> None:
@@ -33,7 +44,7 @@ async def _abort_on_disconnect(request: Request, reqs: list[Req], engine: AsyncE
         await asyncio.sleep(DISCONNECT_POLL_S)
         if await request.is_disconnected():
             for req in reqs:
-                engine.abort(req.rid)
+                engine.cancel(req)
             return
 
 
@@ -46,17 +57,25 @@ async def collect(request: Request, engine: AsyncEngine, reqs: list[Req]) -> lis
         watcher.cancel()
 
 
-async def merged(engine: AsyncEngine, reqs: list[Req]) -> AsyncIterator[tuple[int, RequestResult]]:
-    """(index, snapshot) of several requests as they arrive; closing it (the client left a
-    streaming response) aborts the rest."""
+def merged(
+    request: Request, engine: AsyncEngine, reqs: list[Req]
+) -> AsyncIterator[tuple[int, RequestResult]]:
+    """(index, snapshot) of several requests as they arrive. Reading starts now, not when
+    the response body starts: a client gone before its first byte still aborts them (and
+    frees their ids). Closing the iterator (the client left mid-stream) aborts the rest."""
     updates: asyncio.Queue = asyncio.Queue()
 
     async def pump(index: int, req: Req) -> None:
         async for snapshot in engine.stream(req):
-            await updates.put((index, snapshot))
+            updates.put_nowait((index, snapshot))
 
     tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(reqs)]
-    remaining = len(reqs)
+    tasks.append(asyncio.create_task(_abort_on_disconnect(request, reqs, engine)))
+    return _drain(updates, len(reqs), tasks)
+
+
+async def _drain(updates: asyncio.Queue, count: int, tasks: list[asyncio.Task]):
+    remaining = count
     try:
         while remaining:
             index, snapshot = await updates.get()

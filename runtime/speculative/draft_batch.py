@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from runtime.constrained.bitmask import DraftWalk
 from runtime.core.request import Req
 
 
@@ -30,6 +31,12 @@ class DraftBatch:
     target_hidden: torch.Tensor  # [T, D] the target's captured hidden state of each row
     gather_rows: list[int]  # [bs] row (within the request) to draft from
     propose: list[bool]  # [bs] False: only fill the draft's cache (a prefill chunk mid-prompt)
+    # [bs] tokens this step emits that the request's grammar has not seen yet (drafting under
+    # a grammar starts from the state after them); None: no request has a grammar
+    pending_tokens: list[list[int]] | None = None
+    # which rows of the target's latest output `target_hidden` holds (None: all of them), so
+    # the other ranks of a replica can take them from their own copy
+    target_rows: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:
@@ -46,6 +53,17 @@ class DraftBatch:
     def gather_indices(self) -> list[int]:
         """[bs] index in `[T]` of each request's gather row."""
         return [s + g for s, g in zip(self.row_starts(), self.gather_rows)]
+
+    def grammar_walk(self, keep: Sequence[int], vocab_size: int) -> DraftWalk | None:
+        """A tentative walk of the proposing requests' grammars (see `DraftWalk`), or None
+        when none of them has a grammar."""
+        if self.pending_tokens is None or all(self.reqs[b].grammar is None for b in keep):
+            return None
+        return DraftWalk(
+            [self.reqs[b].grammar for b in keep],
+            [self.pending_tokens[b] for b in keep],
+            vocab_size,
+        )
 
     def proposing(self) -> list[int]:
         """Batch indices of the requests that want proposals."""
@@ -74,4 +92,6 @@ class DraftBatch:
             self.target_hidden[kept],
             [g - k for g, k in zip(self.gather_rows, skip)],
             self.propose,
+            self.pending_tokens,
+            kept if self.target_rows is None else self.target_rows[kept],
         )

@@ -5,16 +5,19 @@ NEXTN: one draft extend, then single-token steps.
 The draft first runs over every row of a `DraftBatch` (filling its own KV), takes the
 prediction at each request's gather row, then chains `num_steps - 1` single-token steps
 on its own output hidden. Drafting is greedy whatever the request's sampling parameters
-(the acceptance rule keeps sampling exact).
+(the acceptance rule keeps sampling exact); a request with a grammar drafts greedily among
+the tokens its grammar allows (`DraftWalk`), so its drafts can be accepted.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
 from runtime.core.forward_mode import CaptureHiddenMode, ForwardMode
 from runtime.core.model_output import LogitsProcessorOutput
-from runtime.execution.model_runner import ModelInput, ModelRunner
+from runtime.execution.model_runner import TARGET, HiddenRows, ModelInput, ModelRunner
 from runtime.speculative.draft_batch import DraftBatch
 
 
@@ -31,8 +34,14 @@ class MTPDrafter:
         result: list[list[int] | None] = [None] * batch.batch_size
         if not keep:
             return result
-        first = out.next_token_logits[keep].argmax(-1)  # [k]
-        proposals = self._chain(batch, keep, first, out.hidden_states[keep])  # [k, S]
+        walk = batch.grammar_walk(keep, self.runner.model_config.vocab_size)
+        pick = walk.pick if walk is not None else _argmax
+        try:
+            first = pick(out.next_token_logits[keep])  # [k]
+            proposals = self._chain(batch, keep, first, out.hidden_states[keep], pick)  # [k, S]
+        finally:
+            if walk is not None:
+                walk.close()  # the grammars are back at the committed output
         for b, proposal in zip(keep, proposals.tolist()):
             result[b] = proposal
         return result
@@ -62,17 +71,26 @@ class MTPDrafter:
                 capture_hidden_mode=CaptureHiddenMode.LAST,
                 captured_hidden_states=batch.target_hidden,
                 logits_row_indices=batch.gather_indices(),
+                hidden_rows=HiddenRows(TARGET, batch.target_rows),
             )
         )
 
     def _chain(
-        self, batch: DraftBatch, keep: list[int], tokens: torch.Tensor, hidden: torch.Tensor
+        self,
+        batch: DraftBatch,
+        keep: list[int],
+        tokens: torch.Tensor,
+        hidden: torch.Tensor,
+        pick: Callable[[torch.Tensor], torch.Tensor],
     ) -> torch.Tensor:
         """From the first draft token `tokens [k]` and its hidden `[k, D]` of the requests
-        `keep`, `num_steps - 1` single-token steps. Returns every draft token `[k, S]`."""
+        `keep`, `num_steps - 1` single-token steps, each proposal chosen by `pick` from the
+        step's logits. Returns every draft token `[k, S]`."""
         pools = [batch.reqs[b].req_pool_idx for b in keep]
         positions = [batch.first_chain_position(b) for b in keep]
         drafts = [tokens]
+        own = self.runner.role
+        rows = HiddenRows(own, torch.tensor(keep))  # the extend's rows of proposing requests
         for step in range(1, self.num_steps):
             out = self.runner.forward(
                 ModelInput(
@@ -84,9 +102,15 @@ class MTPDrafter:
                     capture_hidden_mode=CaptureHiddenMode.LAST,
                     captured_hidden_states=hidden,
                     spec_step_idx=step,
+                    hidden_rows=rows,
                 )
             )
-            tokens, hidden = out.next_token_logits.argmax(-1), out.hidden_states
+            tokens, hidden = pick(out.next_token_logits), out.hidden_states
+            rows = HiddenRows(own)
             drafts.append(tokens)
             positions = [p + 1 for p in positions]
         return torch.stack(drafts, dim=1)
+
+
+def _argmax(logits: torch.Tensor) -> torch.Tensor:
+    return logits.argmax(-1)

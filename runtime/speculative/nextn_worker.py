@@ -29,13 +29,21 @@ from dataclasses import dataclass, field
 import torch
 
 from runtime.configs.speculative import SpeculativeConfig
+from runtime.constrained import bitmask as grammar_bitmask
 from runtime.core.forward_mode import CaptureHiddenMode, ForwardMode
 from runtime.core.request import Req
 from runtime.core.step_io import Chunk, TokenOutput
 from runtime.execution.model_runner import ModelInput, ModelRunner
 from runtime.execution.penalties import RowHistory, adjust_logits
 from runtime.execution.sampler import SamplingBatch
-from runtime.execution.worker import LogitRows, chunk_input, chunk_outputs, token_logprob_outputs
+from runtime.execution.worker import (
+    LogitRows,
+    chunk_input,
+    chunk_outputs,
+    sampling_bitmask,
+    token_ids_logprob_outputs,
+    token_logprob_outputs,
+)
 from runtime.speculative.acceptance import VerifyResult, verify
 from runtime.speculative.draft_batch import DraftBatch
 
@@ -69,6 +77,7 @@ class SpecStats:
 
 class NextNWorker:
     supports_mixed = True
+    needs_drafts = True  # a request decodes once a prefill step has drafted for it
 
     def __init__(
         self,
@@ -99,9 +108,16 @@ class NextNWorker:
         inp = chunk_input(chunks, ForwardMode.EXTEND, CaptureHiddenMode.FULL)
         rows = LogitRows(chunks)
         inp.logits_row_indices = rows.rows
+        bitmask = sampling_bitmask(chunks, self.vocab_size)  # host work before the forward
         out = self.target.forward(inp)
         outputs = chunk_outputs(
-            chunks, rows, out.next_token_logits, self.vocab_size, self.eos_ids, self.generator
+            chunks,
+            rows,
+            out.next_token_logits,
+            self.vocab_size,
+            self.eos_ids,
+            self.generator,
+            bitmask,
         )
         drafts = self.drafter.draft(prefill_draft_batch(chunks, outputs, out.hidden_states))
         for output, drafted in zip(outputs, drafts):
@@ -113,18 +129,25 @@ class NextNWorker:
         pending drafts in one pass, accepts a prefix, commits it, and the draft proposes
         the next round's tokens from the verified rows."""
         drafts = pending_drafts(reqs)  # [bs, S]
+        bitmask = verify_bitmask(reqs, drafts, self.vocab_size)  # host work before the forward
         out = self.target.forward(verify_input(reqs, drafts))  # [bs * (S + 1)] rows
-        result = self._accept(reqs, drafts, out.next_token_logits)
+        result = self._accept(reqs, drafts, out.next_token_logits, bitmask)
         self._commit(reqs, result)
         next_drafts = self.drafter.draft(redraft_batch(reqs, drafts, result, out.hidden_states))
         return self._round_outputs(reqs, drafts, result, out.next_token_logits, next_drafts)
 
     def _accept(
-        self, reqs: Sequence[Req], drafts: torch.Tensor, logits: torch.Tensor
+        self,
+        reqs: Sequence[Req],
+        drafts: torch.Tensor,
+        logits: torch.Tensor,
+        bitmask: torch.Tensor | None = None,
     ) -> VerifyResult:
         """How many drafts each request keeps and the token after them, from the logits
-        adjusted as plain decoding would see each row."""
-        logits = penalised_verify_logits(logits, reqs, drafts, self.eos_ids)
+        adjusted as plain decoding would see each row: penalties, then the grammar's mask
+        of that row (`verify_bitmask`), so every accepted token is one the grammar allows."""
+        adjusted = penalised_verify_logits(logits, reqs, drafts, self.eos_ids)
+        logits = grammar_bitmask.apply(adjusted, bitmask, unadjusted=logits)
         sampling = SamplingBatch.from_params([r.sampling_params for r in reqs], self.vocab_size)
         first_positions = torch.tensor([r.num_cached for r in reqs])
         return verify(logits, drafts, sampling, first_positions, self.generator)
@@ -132,7 +155,7 @@ class NextNWorker:
     def _commit(self, reqs: Sequence[Req], result: VerifyResult) -> None:
         """Recurrent caches keep the state after the last accepted row; positional caches
         need nothing (see the module docstring)."""
-        self.target.kv_pool.commit_verified(
+        self.target.commit_verified(
             torch.tensor([r.req_pool_idx for r in reqs]), result.num_accepted
         )
 
@@ -151,11 +174,21 @@ class NextNWorker:
         tokens = result.tokens(drafts)
         first_rows = [b * (drafts.shape[1] + 1) for b in range(len(reqs))]
         logprobs = token_logprob_outputs(reqs, logits, tokens, first_rows)
+        ids_logprobs = token_ids_logprob_outputs(reqs, logits, tokens, first_rows)
         outputs = []
-        for emitted, lp, m, drafted in zip(tokens, logprobs, num_accepted, next_drafts):
+        for emitted, lp, ids_lp, m, drafted in zip(
+            tokens, logprobs, ids_logprobs, num_accepted, next_drafts
+        ):
             values, top = lp if lp is not None else (None, None)
             outputs.append(
-                TokenOutput(emitted, values, top, num_accepted_drafts=m, draft_tokens=drafted)
+                TokenOutput(
+                    emitted,
+                    values,
+                    top,
+                    token_ids_logprobs=ids_lp,
+                    num_accepted_drafts=m,
+                    draft_tokens=drafted,
+                )
             )
         return outputs
 
@@ -187,6 +220,13 @@ def verify_input(reqs: Sequence[Req], drafts: torch.Tensor) -> ModelInput:
     )
 
 
+def verify_bitmask(reqs: Sequence[Req], drafts: torch.Tensor, vocab_size: int):
+    """Grammar bitmask of the verify rows (None without grammars): row j of request b is
+    masked by its grammar after drafts d1..dj, each matcher walked over the drafts
+    tentatively and rolled back to the committed output."""
+    return grammar_bitmask.verify_bitmask([r.grammar for r in reqs], drafts.tolist(), vocab_size)
+
+
 def penalised_verify_logits(
     logits: torch.Tensor, reqs: Sequence[Req], drafts: torch.Tensor, eos_ids: set[int]
 ) -> torch.Tensor:
@@ -216,6 +256,7 @@ def redraft_batch(
         target_hidden=target_hidden,
         gather_rows=result.num_accepted.tolist(),
         propose=[True] * bs,
+        pending_tokens=result.tokens(drafts) if any(r.grammar for r in reqs) else None,
     )
 
 
@@ -224,7 +265,9 @@ def prefill_draft_batch(
 ) -> DraftBatch:
     """A prefill step's rows for the draft. The row at position p is followed by the token
     at p + 1: a prompt token, or for a completing chunk's last row the token just sampled.
-    Only completing chunks get proposals; the others only fill the draft's cache."""
+    Completing chunks get proposals, and so do resuming ones (a retracted request rebuilt
+    up to its newest token, which follows the last row): its next verify round is the one
+    it would have run without the retraction. The others only fill the draft's cache."""
     following = [
         t
         for c, o in zip(chunks, outputs)
@@ -237,5 +280,6 @@ def prefill_draft_batch(
         next_tokens=torch.tensor(following, dtype=torch.long),
         target_hidden=target_hidden,
         gather_rows=[c.length - 1 for c in chunks],
-        propose=[c.completes for c in chunks],
+        propose=[c.completes or c.resumes for c in chunks],
+        pending_tokens=[o.tokens for o in outputs] if any(c.req.grammar for c in chunks) else None,
     )

@@ -6,6 +6,8 @@ baseline) sees the same prompts:
   token ids (in-process and native `/generate`) or text decoded from random ids (OpenAI);
 - a prompt file: JSONL objects with "prompt" (optional "output_len"), or one prompt a line;
 - a static batch for `bench_one_batch`: random ids, or file prompts cut to one length;
+- multi-turn chats (`bench_serving`): a system prompt every conversation shares, then per
+  turn a user message; turn k+1 resends turns 1..k with the server's answers;
 - code prompts: the openings of the Python files the embedded default model held out.
 """
 
@@ -169,6 +171,50 @@ def requests_from_args(
         vocab_size=vocab_size,
         tokenizer=tokenizer if text else None,
     )
+
+
+@dataclass
+class Conversation:
+    """A multi-turn chat in token ids: turn k's prompt is `system`, every earlier user message
+    followed by the server's answer to it, then `users[k]`."""
+
+    system: list[int]
+    users: list[list[int]]
+    output_lens: list[int]
+
+    def prompt(self, turn: int, answers: list[list[int]]) -> list[int]:
+        ids = list(self.system)
+        for user, answer in zip(self.users[:turn], answers, strict=True):
+            ids += user + answer
+        return ids + self.users[turn]
+
+
+def multiturn_conversations(
+    seed: int,
+    num_conversations: int,
+    num_turns: int,
+    system_len: int,
+    user_len: int,
+    output_len: int,
+    range_ratio: float,
+    vocab_size: int,
+) -> list[Conversation]:
+    """Random token ids: one system prompt shared by all conversations, then per turn a user
+    message of SGLang's random length in [user_len * ratio, user_len] and an answer length
+    likewise."""
+    if num_turns < 1 or system_len < 0:
+        raise ValueError("--multiturn-turns must be >= 1 and --multiturn-system-len >= 0")
+    rng = random.Random(seed)
+    system = random_token_ids(rng, system_len, vocab_size)
+    conversations = []
+    for _ in range(num_conversations):
+        users = [
+            random_token_ids(rng, n, vocab_size)
+            for n in random_lengths(rng, num_turns, user_len, range_ratio)
+        ]
+        outs = random_lengths(rng, num_turns, output_len, range_ratio)
+        conversations.append(Conversation(system, users, outs))
+    return conversations
 
 
 def warmup_subset(dataset: list[tuple[list[int], int]]) -> list[tuple[list[int], int]]:

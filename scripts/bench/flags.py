@@ -112,14 +112,20 @@ def capture_overrides(args: argparse.Namespace) -> dict:
     return {name: getattr(args, name) for name in CAPTURE_FLAGS if hasattr(args, name)}
 
 
-def add_dataset_args(parser: argparse.ArgumentParser, num_prompts: int) -> None:
-    """SGLang's dataset flags: random prompts or a prompt file, how many, how long."""
+def add_dataset_args(
+    parser: argparse.ArgumentParser, num_prompts: int, multiturn: bool = False
+) -> None:
+    """SGLang's dataset flags: random prompts or a prompt file, how many, how long. With
+    `multiturn`, also multi-turn chats (`bench_serving`): --num-prompts conversations of
+    --multiturn-turns turns after a shared --multiturn-system-len system prompt, user
+    messages of --random-input-len tokens and answers of --random-output-len."""
     parser.add_argument(
         "--dataset-name",
-        choices=("random", "file"),
+        choices=("random", "file", "multiturn") if multiturn else ("random", "file"),
         default=None,
         help="random prompts, or the prompts of --dataset-path (default: file when "
-        "--dataset-path is given)",
+        "--dataset-path is given)"
+        + ("; multiturn: chats whose turn k+1 resends turns 1..k" if multiturn else ""),
     )
     parser.add_argument(
         "--dataset-path",
@@ -139,6 +145,14 @@ def add_dataset_args(parser: argparse.ArgumentParser, num_prompts: int) -> None:
         default=0.0,
         help="lengths are uniform in [len * ratio, len] (SGLang); 1.0 = fixed lengths",
     )
+    if multiturn:
+        parser.add_argument("--multiturn-turns", type=int, default=4, help="turns per chat")
+        parser.add_argument(
+            "--multiturn-system-len",
+            type=int,
+            default=256,
+            help="tokens of the system prompt every conversation starts with",
+        )
 
 
 def check_dataset_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:

@@ -53,6 +53,7 @@ class LaunchedServer:
             cmd += ["--model-path", args.model_path]
         for name, value in (variant.spec or {}).items():
             cmd += [f"--{name.replace('_', '-')}", str(value)]
+        cmd += list(variant.server_flags)
         cmd += shlex.split(args.server_args)
         self.cmd, self.timeout = cmd, args.server_timeout
         # the server's torch threads follow OMP_NUM_THREADS: the same for every variant; it

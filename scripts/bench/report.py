@@ -407,6 +407,21 @@ def serving_metrics(outputs: list, duration: float) -> dict:
     return metrics
 
 
+def multiturn_metrics(outputs: list) -> dict:
+    """Prefix-cache figures of a multi-turn run: the fraction of prompt tokens the server's
+    cache served, and TTFT of first turns apart from later ones (which resend the earlier)."""
+    ok = [o for o in outputs if o.success]
+    prompt = sum(o.prompt_len for o in ok)
+    metrics = {"cache_hit_rate": sum(o.cached_tokens for o in ok) / prompt if prompt else 0.0}
+    for name, turns in (
+        ("turn1", [o for o in ok if o.turn == 0]),
+        ("turn2plus", [o for o in ok if o.turn > 0]),
+    ):
+        for key, value in percentiles([o.ttft for o in turns]).items():
+            metrics[f"{key}_ttft_{name}_ms"] = value
+    return metrics
+
+
 def print_serving_result(
     m: dict, backend: str, request_rate: float, max_concurrency: int | None
 ) -> None:
@@ -428,6 +443,11 @@ def print_serving_result(
     print(block_row("Concurrency:", m["concurrency"]))
     if m["accept_length"]:
         print(block_row("Accept length:", m["accept_length"]))
+    if "cache_hit_rate" in m:
+        print(block_row("Prefix cache hit rate:", m["cache_hit_rate"]))
+        print(block_row("Mean TTFT turn 1 (ms):", m["mean_ttft_turn1_ms"]))
+        print(block_row("Mean TTFT turns 2+ (ms):", m["mean_ttft_turn2plus_ms"]))
+        print(block_row("Median TTFT turns 2+ (ms):", m["median_ttft_turn2plus_ms"]))
     sections = [
         ("End-to-End Latency", "E2E Latency", "e2e_latency", ("mean", "median", "p90", "p99")),
         ("Time to First Token", "TTFT", "ttft", ("mean", "median", "p99")),
@@ -469,6 +489,35 @@ def print_serving_ratios(records: list[dict], labels: list[str]) -> None:
                 f"plain/{label} mean TPOT (speedup)",
                 plain["mean_tpot_ms"],
                 record["mean_tpot_ms"],
+            )
+        )
+
+
+def print_cache_ratios(records: list[dict], labels: list[str]) -> None:
+    """Radix cache on/off ratios of each decoding variant (`--compare-radix-cache`): labels
+    come in pairs "<variant> cache-off", "<variant> cache-on"."""
+    by_label = dict(zip(labels, records, strict=True))
+    for label in labels:
+        if not label.endswith(" cache-on"):
+            continue
+        base = label.removesuffix(" cache-on")
+        on, off = by_label[label], by_label.get(base + " cache-off")
+        if off is None:
+            continue
+        if "mean_ttft_turn2plus_ms" in on:
+            print(
+                ratio_line(
+                    f"{base} cache on/off mean TTFT turns 2+",
+                    on["mean_ttft_turn2plus_ms"],
+                    off["mean_ttft_turn2plus_ms"],
+                )
+            )
+        print(ratio_line(f"{base} cache on/off mean TTFT", on["mean_ttft_ms"], off["mean_ttft_ms"]))
+        print(
+            ratio_line(
+                f"{base} cache on/off output token throughput",
+                on["output_throughput"],
+                off["output_throughput"],
             )
         )
 

@@ -1,7 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """The HTTP side of `bench_serving`: one request per backend (`/generate`,
 `/v1/completions`, `/v1/chat/completions`), streamed or not, timed SGLang's way, and a run
-of many on a Poisson arrival schedule with at most `--max-concurrency` in flight.
+of many on a Poisson arrival schedule with at most `--max-concurrency` in flight, or of
+multi-turn conversations (each conversation's turns one after another, its next prompt built
+from the answers the server gave).
 
 Timing: TTFT is the first chunk that carries tokens. Native streams report cumulative
 `completion_tokens`, so a chunk's gap is spread over the tokens it carried (one NEXTN round
@@ -18,7 +20,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from scripts.bench.datasets import BenchRequest
+from scripts.bench.datasets import BenchRequest, Conversation
 from scripts.bench.report import progress
 
 BACKENDS = {
@@ -77,6 +79,9 @@ class RequestOutput:
     prompt_len: int = 0
     output_len: int = 0
     error: str = ""
+    cached_tokens: int = 0  # prompt tokens the server's prefix cache served (native backend)
+    output_ids: list[int] | None = None  # native backend
+    turn: int = 0  # multi-turn dataset: 0 for a conversation's first turn
 
 
 def sse_events(resp):
@@ -157,9 +162,11 @@ def send_request(base_url: str, args, req: BenchRequest, model: str | None) -> R
 def read_final(backend: str, body, out: RequestOutput) -> None:
     """Token counts of a non-streamed response."""
     if backend == "sglang":
-        meta = (body[0] if isinstance(body, list) else body)["meta_info"]
+        first = body[0] if isinstance(body, list) else body
+        meta = first["meta_info"]
         finish_ok(meta.get("finish_reason"), out)
         out.prompt_len, out.output_len = meta["prompt_tokens"], meta["completion_tokens"]
+        out.cached_tokens, out.output_ids = meta.get("cached_tokens", 0), first.get("output_ids")
     else:
         usage = body.get("usage") or {}
         out.prompt_len = usage.get("prompt_tokens", out.prompt_len)
@@ -183,7 +190,7 @@ def read_native_stream(resp, start: float, out: RequestOutput) -> None:
         if "error" in obj:
             out.error = str(obj["error"])
             return
-        meta = obj["meta_info"]
+        meta, out.output_ids = obj["meta_info"], obj.get("output_ids")
         new = meta["completion_tokens"] - seen
         if new <= 0:
             continue
@@ -198,6 +205,7 @@ def read_native_stream(resp, start: float, out: RequestOutput) -> None:
         return
     finish_ok(meta.get("finish_reason"), out)
     out.prompt_len, out.output_len = meta["prompt_tokens"], seen
+    out.cached_tokens = meta.get("cached_tokens", 0)
 
 
 def read_openai_stream(resp, start: float, out: RequestOutput, chat: bool) -> None:
@@ -265,6 +273,46 @@ def run_requests(base_url: str, args, dataset: list[BenchRequest], model: str | 
                 time.sleep(delay)
             futures.append(pool.submit(task, req))
         outputs = [f.result() for f in futures]
+    duration = time.perf_counter() - start
+    bar.close()
+    return outputs, duration
+
+
+def run_conversations(
+    base_url: str, args, conversations: list[Conversation], model: str | None
+) -> tuple[list[RequestOutput], float]:
+    """Multi-turn chats (native backend): conversations start on the arrival schedule, at most
+    `max_concurrency` at a time; within one, turn k+1 is sent when turn k's answer is back,
+    as `Conversation.prompt` of the answers so far. Returns (outputs of every turn, seconds)."""
+    workers = args.max_concurrency or len(conversations)
+    arrivals = arrival_times(len(conversations), args.request_rate, args.seed)
+    total = sum(len(c.users) for c in conversations)
+    bar = progress(total=total, disable=args.disable_tqdm, desc="turns")
+    lock = threading.Lock()
+
+    def converse(conv: Conversation) -> list[RequestOutput]:
+        outputs, answers = [], []
+        for turn, output_len in enumerate(conv.output_lens):
+            ids = conv.prompt(turn, answers)
+            out = send_request(base_url, args, BenchRequest(None, ids, len(ids), output_len), model)
+            out.turn = turn
+            outputs.append(out)
+            with lock:
+                bar.update(1)
+            if not out.success or out.output_ids is None:
+                break  # the conversation cannot go on without the answer
+            answers.append(out.output_ids)
+        return outputs
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        futures = []
+        for conv, at in zip(conversations, arrivals, strict=True):
+            delay = start + at - time.perf_counter()
+            if delay > 0:
+                time.sleep(delay)
+            futures.append(pool.submit(converse, conv))
+        outputs = [o for f in futures for o in f.result()]
     duration = time.perf_counter() - start
     bar.close()
     return outputs, duration

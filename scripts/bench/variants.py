@@ -16,6 +16,7 @@ class Variant:
 
     label: str
     spec: dict | None  # Engine / launch_server speculative kwargs, None for plain decoding
+    server_flags: tuple[str, ...] = ()  # more launch_server flags (e.g. the cache off)
 
     @property
     def is_plain(self) -> bool:
@@ -54,6 +55,20 @@ def build_variants(args: argparse.Namespace) -> list[Variant]:
             }
             variants.append(Variant(f"{cfg.algorithm}(steps={cfg.num_steps})", spec))
     return variants
+
+
+def with_and_without_radix_cache(variants: list[Variant]) -> list[Variant]:
+    """Each variant twice: with the prefix cache off (`--disable-radix-cache`), then on."""
+    return [
+        v
+        for base in variants
+        for v in (
+            Variant(
+                f"{base.label} cache-off", base.spec, (*base.server_flags, "--disable-radix-cache")
+            ),
+            Variant(f"{base.label} cache-on", base.spec, base.server_flags),
+        )
+    ]
 
 
 def set_threads(threads: int) -> int:

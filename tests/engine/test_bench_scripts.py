@@ -468,12 +468,16 @@ def check_serving(text: str, record: dict, num: int, output_len: int) -> dict[st
         ("sglang-oai-chat", []),
     ],
 )
-def test_serving_against_a_running_server(nextn_server, backend, extra, tmp_path, capsys):
+def test_serving_against_a_running_server(nextn_server, ckpt, backend, extra, tmp_path, capsys):
     jsonl = tmp_path / "serving.jsonl"
     script("bench_serving").main(
         [
             "--base-url",
             nextn_server,
+            # the server names its model rather than showing its path: the client brings
+            # the tokenizer, as with SGLang's bench_serving
+            "--tokenizer",
+            str(ckpt),
             "--backend",
             backend,
             "--num-prompts",
@@ -531,3 +535,108 @@ def test_serving_launch_server_compare(ckpt, tmp_path, capsys):
         assert close(float(rows["Output token throughput (tok/s):"]), record["output_throughput"])
     got = ratios(text)["NEXTN(steps=3)/plain output token throughput"]
     assert close(got, nextn["output_throughput"] / plain["output_throughput"], abs_=1e-3)
+
+
+def test_multiturn_conversations_resend_their_history():
+    convs = datasets.multiturn_conversations(3, 2, 3, 10, 4, 5, 1.0, vocab_size=50)
+    assert convs[0].system == convs[1].system and len(convs[0].system) == 10
+    assert [len(u) for u in convs[0].users] == [4, 4, 4] and convs[0].output_lens == [5, 5, 5]
+    answers = [[1] * 5, [2] * 5]
+    assert convs[1].prompt(0, []) == convs[1].system + convs[1].users[0]
+    assert (
+        convs[1].prompt(2, answers)
+        == (convs[1].system + convs[1].users[0] + answers[0] + convs[1].users[1] + answers[1])
+        + convs[1].users[2]
+    )
+
+
+def test_serving_multiturn_against_a_running_server(nextn_server, tmp_path, capsys):
+    """Turn k+1 resends turns 1..k: the server's prefix cache serves them (its
+    `cached_tokens`), and the result reports the hit rate and TTFT by turn."""
+    jsonl = tmp_path / "serving.jsonl"
+    script("bench_serving").main(
+        [
+            "--base-url",
+            nextn_server,
+            "--dataset-name",
+            "multiturn",
+            "--num-prompts",
+            "3",
+            "--multiturn-turns",
+            "3",
+            "--multiturn-system-len",
+            "40",
+            "--random-input-len",
+            "6",
+            "--random-output-len",
+            "5",
+            "--random-range-ratio",
+            "1",
+            "--output-file",
+            str(jsonl),
+            "--disable-tqdm",
+        ]
+    )
+    (record,) = read_jsonl(jsonl)
+    rows = check_serving(capsys.readouterr().out, record, 9, 5)
+    assert record["num_prompts"] == 3 and record["num_requests"] == 9
+    # turn t's prompt: 40 + t * (6 + 5) + 6 tokens
+    assert record["total_input_tokens"] == 3 * sum(40 + t * 11 + 6 for t in range(3))
+    # at least every later turn's resent history (all but the last answer token) was cached
+    resent = 3 * sum(40 + t * 11 - 1 for t in (1, 2))
+    assert record["cache_hit_rate"] >= resent / record["total_input_tokens"]
+    assert close(float(rows["Prefix cache hit rate:"]), record["cache_hit_rate"])
+    for key in ("mean_ttft_turn1_ms", "mean_ttft_turn2plus_ms", "median_ttft_turn2plus_ms"):
+        assert record[key] > 0
+
+
+def test_serving_compare_radix_cache(ckpt, tmp_path, capsys):
+    jsonl = tmp_path / "serving.jsonl"
+    script("bench_serving").main(
+        [
+            "--launch-server",
+            "--compare-radix-cache",
+            "--model-path",
+            str(ckpt),
+            *COMMON,
+            "--dataset-name",
+            "multiturn",
+            "--num-prompts",
+            "2",
+            "--multiturn-turns",
+            "2",
+            "--multiturn-system-len",
+            "40",
+            "--random-input-len",
+            "6",
+            "--random-output-len",
+            "4",
+            "--random-range-ratio",
+            "1",
+            "--output-file",
+            str(jsonl),
+        ]
+    )
+    text = capsys.readouterr().out
+    off, on = read_jsonl(jsonl)
+    assert (off["variant"], on["variant"]) == ("plain cache-off", "plain cache-on")
+    assert off["cache_hit_rate"] == 0 < on["cache_hit_rate"]
+    assert "--disable-radix-cache" in text.split("launching:")[1].splitlines()[0]
+    assert "--disable-radix-cache" not in text.split("launching:")[2].splitlines()[0]
+    got = ratios(text)
+    assert close(
+        got["plain cache on/off mean TTFT turns 2+"],
+        on["mean_ttft_turn2plus_ms"] / off["mean_ttft_turn2plus_ms"],
+        abs_=1e-3,
+    )
+    assert close(
+        got["plain cache on/off output token throughput"],
+        on["output_throughput"] / off["output_throughput"],
+        abs_=1e-3,
+    )
+
+
+def test_multiturn_needs_the_native_backend(capsys):
+    with pytest.raises(SystemExit):
+        script("bench_serving").main(["--dataset-name", "multiturn", "--backend", "sglang-oai"])
+    assert "use --backend sglang" in capsys.readouterr().err

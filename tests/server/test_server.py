@@ -262,6 +262,66 @@ def test_admin_routes(spec_server, plain_server):
         assert name in metrics
 
 
+@pytest.mark.parametrize("which", ["spec_server", "plain_server"])
+def test_prefix_cache_over_http(request, which):
+    """A second turn that resends the first is served from the prefix cache: SGLang's
+    `meta_info.cached_tokens`, OpenAI's `usage.prompt_tokens_details.cached_tokens`, the hit
+    rate and evictions in /get_server_info and /metrics; /flush_cache empties it."""
+    server = request.getfixturevalue(which)
+    params = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
+    first = server.post(
+        "/generate", json={"text": "def add(a, b):", "sampling_params": params}
+    ).json()
+    ids = first["meta_info"]["prompt_tokens"] + first["meta_info"]["completion_tokens"]
+    assert first["meta_info"]["cached_tokens"] == 0
+    second = server.post(
+        "/generate",
+        json={"text": "def add(a, b):" + first["text"] + " return", "sampling_params": params},
+    ).json()
+    assert second["meta_info"]["cached_tokens"] == ids - 1  # all but turn 1's last token
+
+    c = client(server)
+    question = [{"role": "user", "content": "name a prime"}]
+    one = c.chat.completions.create(
+        model="tiny-v4",
+        messages=question,
+        max_tokens=5,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    assert one.usage.prompt_tokens_details.cached_tokens == 0
+    follow_up = question + [
+        {"role": "assistant", "content": one.choices[0].message.content},
+        {"role": "user", "content": "another"},
+    ]
+    two = c.chat.completions.create(
+        model="tiny-v4",
+        messages=follow_up,
+        max_tokens=5,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    cached = two.usage.prompt_tokens_details.cached_tokens
+    assert one.usage.prompt_tokens < cached < two.usage.prompt_tokens
+
+    state = server.info()["internal_states"][0]
+    assert 0 < state["cache_hit_rate"] < 1 and state["cache_tokens"] > 0
+    assert state["cache_evicted_tokens"] >= 0 and state["cache_snapshots"] > 0
+    metrics = server.get("/metrics").text
+    rate = [row for row in metrics.splitlines() if row.startswith("sglang:cache_hit_rate{")]
+    assert rate and float(rate[0].split()[-1]) > 0
+    assert (
+        "sglang:cached_tokens_total" in metrics and "sglang:cache_evicted_tokens_total" in metrics
+    )
+    server.wait_idle()
+    assert server.post("/flush_cache").status_code == 200
+    state = server.info()["internal_states"][0]
+    assert (
+        state["cache_tokens"] == 0
+        and state["available_tokens"] == server.info()["max_total_tokens"]
+    )
+
+
 def test_abort_request_route(spec_server):
     rid = "to-abort-1"
     result = {}
@@ -339,8 +399,11 @@ def test_64_concurrent_mixed_requests(request, which):
     with ThreadPoolExecutor(64) as pool:
         metas = list(pool.map(one, range(64)))
     assert len(metas) == 64 and all(m["finish_reason"]["type"] in ("stop", "length") for m in metas)
-    end = server.wait_idle()
-    assert end["available_tokens"] == start["available_tokens"] == server.info()["max_total_tokens"]
+    server.wait_idle()
+    assert server.post("/flush_cache").status_code == 200  # the prefix cache's pages come back
+    end = server.info()["internal_states"][0]
+    assert end["available_tokens"] == server.info()["max_total_tokens"]
+    assert start["available_tokens"] + start["cache_tokens"] == end["available_tokens"]
     assert end["available_request_slots"] == server.info()["max_running_requests"]
 
 
@@ -375,6 +438,8 @@ def test_small_cache_retracts_and_keeps_greedy_output(served_checkpoint, spec_se
         assert [g["text"] for g in got] == expected
         state = small.wait_idle()
         assert state["num_retractions"] > 0
+        assert small.post("/flush_cache").status_code == 200
+        state = small.info()["internal_states"][0]
         assert state["available_tokens"] == small.info()["max_total_tokens"]
     finally:
         small.stop()
@@ -426,7 +491,6 @@ BAD = [
         400,
         "exceeds the context length",
     ),
-    ("/v1/completions", {"model": "gpt-9", "prompt": "x"}, 400, "model 'gpt-9' is not served"),
     ("/v1/chat/completions", {"model": "tiny-v4", "messages": []}, 400, "messages"),
     (
         "/v1/chat/completions",

@@ -26,6 +26,8 @@ def test_server_args_reuse_every_engine_field_and_default():
         "enable_metrics",
         "log_level",
         "served_model_name",
+        "max_body_size",
+        "graceful_shutdown_timeout",
     }
 
 
@@ -50,6 +52,11 @@ def test_sglang_like_defaults_written_once():
     assert (spec.speculative_eagle_topk, spec.speculative_num_draft_tokens) == (1, 4)
     explicit = EngineConfig(speculative_algorithm="NEXTN", max_running_requests=7).resolve()
     assert explicit.max_running_requests == 7
+    # the prefix cache is on, with snapshots every 256 prefill tokens, two per request slot
+    assert not config.disable_radix_cache and config.radix_snapshot_interval == 256
+    assert (config.radix_snapshot_slots, explicit.radix_snapshot_slots) == (128, 14)
+    off = ServerArgs.from_cli(["--disable-radix-cache", "--radix-snapshot-slots", "3"])
+    assert off.engine_config().disable_radix_cache and off.radix_snapshot_slots == 3
 
 
 def test_server_args_hand_the_engine_exactly_its_settings():
@@ -69,6 +76,8 @@ def test_server_args_hand_the_engine_exactly_its_settings():
         ({"max_total_tokens": 2, "page_size": 4}, ValueError, "--max-total-tokens"),
         ({"context_length": 1}, ValueError, "--context-length"),
         ({"speculative_num_steps": 2}, ValueError, "need --speculative-algorithm"),
+        ({"radix_snapshot_interval": -1}, ValueError, "--radix-snapshot-interval"),
+        ({"radix_snapshot_slots": 0}, ValueError, "--radix-snapshot-slots"),
         ({"model_path": "/no/such/model"}, FileNotFoundError, "does not exist"),
     ],
 )

@@ -16,6 +16,7 @@ RUNTIME = Path(__file__).resolve().parents[2] / "runtime"
 # Bottom to top: each entry may import every entry before it (and itself).
 LAYERS = (
     "core",  # plain shared types: forward modes and context, sampling params, requests, errors
+    "constrained",  # structured output on xgrammar: grammars, matchers, token bitmasks
     "configs",
     "distributed",
     "kernels",

@@ -41,6 +41,7 @@ def finished_req(**params) -> Req:
     for token in (10, 11, 12):
         req.append_token(token, eos_ids=set())
     req.input_token_logprobs = [(None, 6), (-1.5, 7)]
+    req.input_top_logprobs = [None, [(-1.5, 7), (-2.0, 4)]]
     req.output_token_logprobs = [(-0.1, 10), (-0.2, 11), (-0.3, 12)]
     req.output_top_logprobs = [[(-0.1, 10), (-2.0, 3)], [(-0.2, 11), (-2.5, 4)], [(-0.3, 12)]]
     req.spec_verify_ct, req.spec_accept_hist = 2, [0, 1, 1, 0]
@@ -66,7 +67,7 @@ def test_sglang_generate_shape_with_logprobs_and_spec_counters():
             "spec_accept_histogram": [0, 1, 1, 0],
             "input_token_logprobs": [[None, 6, None], [-1.5, 7, None]],
             "output_token_logprobs": [[-0.1, 10, None], [-0.2, 11, None], [-0.3, 12, None]],
-            "input_top_logprobs": [None, None],
+            "input_top_logprobs": [None, [[-1.5, 7, None], [-2.0, 4, None]]],
             "output_top_logprobs": [
                 [[-0.1, 10, None], [-2.0, 3, None]],
                 [[-0.2, 11, None], [-2.5, 4, None]],
@@ -74,6 +75,26 @@ def test_sglang_generate_shape_with_logprobs_and_spec_counters():
             ],
         },
     }
+
+
+def test_logprob_text_slots_and_token_ids_lists():
+    """`return_text_in_logprobs` fills the third slot of every triple (top lists too) with
+    the token's own text; `token_ids_logprob` adds SGLang's per-position id lists."""
+    req = finished_req()
+    req.return_text_in_logprobs = True
+    req.token_ids_logprob = [3, 10]
+    req.input_token_ids_logprobs = [None, [(-4.0, 3), (-5.0, 10)]]
+    req.output_token_ids_logprobs = [[(-2.0, 3), (-0.1, 10)]] * 3
+    meta = render_generate(
+        request_result(req, None, with_text=False), lambda ids: [f"<{t}>" for t in ids]
+    )["meta_info"]
+    assert meta["input_token_logprobs"] == [[None, 6, "<6>"], [-1.5, 7, "<7>"]]
+    assert meta["output_top_logprobs"][2] == [[-0.3, 12, "<12>"]]
+    assert meta["input_token_ids_logprobs"] == [None, [[-4.0, 3, "<3>"], [-5.0, 10, "<10>"]]]
+    assert meta["output_token_ids_logprobs"][0] == [[-2.0, 3, "<3>"], [-0.1, 10, "<10>"]]
+    req.return_text_in_logprobs = False  # not asked: the slot stays empty
+    plain = render_generate(request_result(req, None, with_text=False), lambda ids: ["x"] * 9)
+    assert plain["meta_info"]["input_token_logprobs"][1] == [-1.5, 7, None]
 
 
 def test_plain_request_without_logprobs_has_only_the_base_keys():

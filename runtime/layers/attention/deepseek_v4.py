@@ -11,6 +11,11 @@ reads comes from the metadata the runner prepared before the forward
 (`runtime.cache.deepseek_v4_metadata`, `ctx.attn_metadata`). A uniform batch (decode,
 verify, draft steps) takes the fixed-shape path a captured step replays; prefill chunks the
 ragged one.
+
+Under tensor parallelism the query heads split over `tp` together with their sinks and
+their output groups (`wo_a` by group, `wo_b` reducing); the single KV latent, the
+compressors and the indexer are replicated, as SGLang does for MLA's latent, so every rank
+keeps the whole (small) KV cache and selects the same entries.
 """
 
 from __future__ import annotations
@@ -29,17 +34,23 @@ from runtime.cache.deepseek_v4_metadata import (
 )
 from runtime.cache.deepseek_v4_pool import DeepseekV4KVPool
 from runtime.core.forward_context import ForwardContext
+from runtime.distributed import ParallelGroup
 from runtime.kernels.indexer_topk import indexer_topk
 from runtime.kernels.sink_attention import (
     grouped_sink_attention,
     tiled_scores,
     tiled_sink_attention,
 )
-from runtime.layers.linear import MergedColumnParallelLinear, ReplicatedLinear
+from runtime.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+)
 from runtime.layers.norm import RMSNorm, WeightlessRMSNorm
 from runtime.layers.position_ring import gather_ring
 from runtime.layers.rotary import RotaryEmbedding
-from runtime.layers.weight_utils import make_param
+from runtime.layers.weight_utils import make_param, sharded_param
 
 
 @dataclass
@@ -213,25 +224,40 @@ class DeepseekV4Attention(nn.Module):
     """One V4 attention block. `cache_layer` addresses the layer's buffers in the pool
     (compact: the MTP layer's cache index differs from its checkpoint layer id)."""
 
-    def __init__(self, config, compress_ratio: int, cache_layer: int, rope: RotaryEmbedding):
+    def __init__(
+        self,
+        config,
+        compress_ratio: int,
+        cache_layer: int,
+        rope: RotaryEmbedding,
+        tp: ParallelGroup | None = None,
+    ):
         super().__init__()
+        tp = tp or ParallelGroup()
+        heads, groups = config.num_attention_heads, config.o_groups
+        if heads % tp.size or groups % tp.size:
+            raise ValueError(
+                f"{heads} attention heads in {groups} output groups do not split over "
+                f"{tp.size} ranks"
+            )
         self.rope = rope  # this layer's table (cos/sin come precomputed per forward)
-        self.num_heads, self.head_dim = config.num_attention_heads, config.head_dim
+        self.num_heads, self.head_dim = heads // tp.size, config.head_dim
         self.window, self.eps = config.sliding_window, config.rms_norm_eps
         self.compress_ratio, self.cache_layer = compress_ratio, cache_layer
-        self.o_groups, self.o_lora_rank = config.o_groups, config.o_lora_rank
+        self.o_groups, self.o_lora_rank = groups // tp.size, config.o_lora_rank
         self.scale = self.head_dim**-0.5
         self.fused_wqa_wkv = MergedColumnParallelLinear(
             config.hidden_size, [config.q_lora_rank, self.head_dim]
         )
         self.q_norm = RMSNorm(config.q_lora_rank, self.eps)
-        self.wq_b = ReplicatedLinear(config.q_lora_rank, self.num_heads * self.head_dim)
+        self.wq_b = ColumnParallelLinear(config.q_lora_rank, heads * self.head_dim, tp=tp)
         self.q_head_norm = WeightlessRMSNorm(self.eps)
         self.kv_norm = RMSNorm(self.head_dim, self.eps)
-        group_in = self.num_heads * self.head_dim // self.o_groups
-        self.wo_a = ReplicatedLinear(group_in, self.o_groups * self.o_lora_rank)
-        self.wo_b = ReplicatedLinear(self.o_groups * self.o_lora_rank, config.hidden_size)
-        self.attn_sink = make_param((self.num_heads,), torch.float32)
+        group_in = heads * self.head_dim // groups
+        # wo_a's rows are group-major, so a rank's groups are a contiguous block of rows
+        self.wo_a = ColumnParallelLinear(group_in, groups * self.o_lora_rank, tp=tp)
+        self.wo_b = RowParallelLinear(groups * self.o_lora_rank, config.hidden_size, tp=tp)
+        self.attn_sink = sharded_param((heads,), 0, tp.rank, tp.size, torch.float32)
         self.compressor = (
             DeepseekV4Compressor(config.hidden_size, self.head_dim, compress_ratio, self.eps)
             if compress_ratio > 1
@@ -244,7 +270,7 @@ class DeepseekV4Attention(nn.Module):
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """-> (query latent qr [T, q_lora], q [T, heads, D], kv [T, D]), rotated."""
-        qr, kv = self.fused_wqa_wkv(x).split(self.fused_wqa_wkv.output_sizes, dim=-1)
+        qr, kv = self.fused_wqa_wkv(x).split(self.fused_wqa_wkv.local_sizes, dim=-1)
         qr = self.q_norm(qr)
         q = self.q_head_norm(self.wq_b(qr).view(-1, self.num_heads, self.head_dim))
         return qr, self.rope.apply(q, cos, sin), self.rope.apply(self.kv_norm(kv), cos, sin)

@@ -15,6 +15,10 @@ than `budget + ratio - 1` keys the selection keeps everything (dense attention).
 Keys and values live at full-history token slots (`out_cache_loc`); raw index keys beside
 them. Both are keyed by position, so rejected speculative rows are rewritten, not undone.
 The MTP draft selects on its first step and reuses that selection on later chained steps.
+
+Under tensor parallelism the query heads (with their gates) and the KV heads split over
+`tp` (a KV head is replicated when there are fewer than ranks, as vLLM does), `o_proj`
+reduces, and the indexer (one key head) is replicated so every rank selects the same blocks.
 """
 
 from __future__ import annotations
@@ -25,7 +29,8 @@ import torch
 from torch import nn
 
 from runtime.core.forward_context import ForwardContext
-from runtime.layers.linear import MergedColumnParallelLinear, ReplicatedLinear
+from runtime.distributed import ParallelGroup
+from runtime.layers.linear import QKVParallelLinear, ReplicatedLinear, RowParallelLinear
 from runtime.layers.norm import OffsetRMSNorm
 from runtime.layers.rotary import RotaryEmbedding
 
@@ -171,21 +176,32 @@ def top_blocks_per_row(scores: torch.Tensor, keys: VisibleKeys, k: int) -> torch
     return selected
 
 
+def local_kv_heads(config, tp_size: int) -> int:
+    """KV heads one rank holds (at least one: replicated when fewer than ranks)."""
+    return max(1, config.num_key_value_heads // tp_size)
+
+
 class QSAAttention(nn.Module):
-    def __init__(self, config, cache_layer: int, rope: RotaryEmbedding):
+    def __init__(
+        self, config, cache_layer: int, rope: RotaryEmbedding, tp: ParallelGroup | None = None
+    ):
         super().__init__()
+        tp = tp or ParallelGroup()
         self.cache_layer, self.rope = cache_layer, rope
-        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = config.head_dim
-        self.qkv_proj = MergedColumnParallelLinear(
+        self.qkv_proj = QKVParallelLinear(
             config.hidden_size,
-            [
-                2 * self.num_heads * self.head_dim,
-                self.num_kv_heads * self.head_dim,
-                self.num_kv_heads * self.head_dim,
-            ],
+            2 * self.head_dim,  # each query head carries its output gate
+            config.num_attention_heads,
+            self.head_dim,
+            config.num_key_value_heads,
+            tp=tp,
         )
-        self.o_proj = ReplicatedLinear(self.num_heads * self.head_dim, config.hidden_size)
+        self.num_heads = config.num_attention_heads // tp.size
+        self.num_kv_heads = self.qkv_proj.num_local_kv_heads
+        self.o_proj = RowParallelLinear(
+            config.num_attention_heads * self.head_dim, config.hidden_size, tp=tp
+        )
         self.q_norm = OffsetRMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = OffsetRMSNorm(self.head_dim, config.rms_norm_eps)
         self.indexer = (
@@ -202,7 +218,7 @@ class QSAAttention(nn.Module):
         spec_step_idx: int = 0,
     ) -> torch.Tensor:
         pool, layer = ctx.kv_pool, self.cache_layer
-        q, k, v = self.qkv_proj(x).split(self.qkv_proj.output_sizes, dim=-1)
+        q, k, v = self.qkv_proj(x).split(self.qkv_proj.local_sizes, dim=-1)
         q, gate = q.view(-1, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)  # split per head
         q = self.rope.apply(self.q_norm(q), cos, sin)
         k = self.rope.apply(self.k_norm(k.view(-1, self.num_kv_heads, self.head_dim)), cos, sin)

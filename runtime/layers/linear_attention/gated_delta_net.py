@@ -10,6 +10,9 @@
     y = out_proj(GatedRMSNorm(o, z))           act(z) with act = sigmoid (Qwen4Exp) or silu
 
 The conv inputs live in a position-keyed ring; the recurrent state in one row per request.
+Under tensor parallelism the key and value heads split over `tp` (vLLM's
+`qwen3_next.py`): each rank holds its heads' share of q, k, v, z, b, a, the conv filter and
+the decay vectors, its heads' recurrent states, and `out_proj` reduces.
 A TARGET_VERIFY pass leaves the state alone and records the state after every verify row
 instead; `commit_verified` later keeps the one matching the accepted length.
 """
@@ -21,11 +24,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from runtime.core.forward_context import ForwardContext
+from runtime.distributed import ParallelGroup
 from runtime.kernels.gated_delta_rule import chunked_gated_delta_rule
 from runtime.layers.causal_conv import causal_conv, conv_window_access
-from runtime.layers.linear import MergedColumnParallelLinear, ReplicatedLinear
+from runtime.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from runtime.layers.norm import GatedRMSNorm
-from runtime.layers.weight_utils import copy_checked, make_param
+from runtime.layers.weight_utils import (
+    WeightShapeError,
+    copy_stacked_shards,
+    make_param,
+    sharded_param,
+)
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -45,39 +54,61 @@ def pad_by_request(ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
     return ctx.memo("rows.padded", build)
 
 
-class GatedDeltaNet(nn.Module):
-    def __init__(self, config, cache_layer: int):
-        super().__init__()
-        self.cache_layer = cache_layer
-        self.num_k_heads, self.num_v_heads = (
-            config.linear_num_key_heads,
-            config.linear_num_value_heads,
+def local_head_counts(config, tp_size: int) -> tuple[int, int]:
+    """(key heads, value heads) of one rank."""
+    k, v = config.linear_num_key_heads, config.linear_num_value_heads
+    if k % tp_size or v % tp_size:
+        raise ValueError(
+            f"Gated DeltaNet's {k} key / {v} value heads do not split over {tp_size} ranks"
         )
+    return k // tp_size, v // tp_size
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, config, cache_layer: int, tp: ParallelGroup | None = None):
+        super().__init__()
+        tp = tp or ParallelGroup()
+        self.cache_layer, self.tp = cache_layer, tp
+        self.num_k_heads, self.num_v_heads = local_head_counts(config, tp.size)
         self.head_k_dim, self.head_v_dim = config.linear_key_head_dim, config.linear_value_head_dim
         self.key_dim = self.num_k_heads * self.head_k_dim
         self.value_dim = self.num_v_heads * self.head_v_dim
         self.conv_dim = 2 * self.key_dim + self.value_dim
         self.kernel = config.linear_conv_kernel_dim
+        full_key = config.linear_num_key_heads * self.head_k_dim
+        full_value = config.linear_num_value_heads * self.head_v_dim
+        full_v_heads = config.linear_num_value_heads
+        self.full_qkv_sizes = [full_key, full_key, full_value]
+        # checkpoint tensors: in_proj_qkv (q, k and v stacked), in_proj_z, in_proj_b, in_proj_a
         self.in_proj = MergedColumnParallelLinear(
-            config.hidden_size, [self.conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads]
+            config.hidden_size,
+            [full_key, full_key, full_value, full_value, full_v_heads, full_v_heads],
+            tp=tp,
+            checkpoint_shards=[[0, 1, 2], [3], [4], [5]],
         )
+        self.in_proj_sizes = [self.conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads]
         self.conv1d = nn.Module()
         self.conv1d.weight = make_param((self.conv_dim, 1, self.kernel), loader=self._conv_loader)
-        self.A_log = make_param((self.num_v_heads,), torch.float32)
-        self.dt_bias = make_param((self.num_v_heads,), torch.float32)
+        self.A_log = sharded_param((full_v_heads,), 0, tp.rank, tp.size, torch.float32)
+        self.dt_bias = sharded_param((full_v_heads,), 0, tp.rank, tp.size, torch.float32)
         activation = getattr(config, "output_gate_type", None) or config.hidden_act
         self.norm = GatedRMSNorm(self.head_v_dim, config.rms_norm_eps, activation)
-        self.out_proj = ReplicatedLinear(self.value_dim, config.hidden_size)
+        self.out_proj = RowParallelLinear(full_value, config.hidden_size, tp=tp)
 
     def _conv_loader(self, param, loaded, shard_id=None):
-        copy_checked(
-            param.data, loaded.view(param.shape) if loaded.numel() == param.numel() else loaded
-        )
+        """The depthwise filter `[conv_dim, 1, K]` (or `[conv_dim, K]`): this rank's rows of
+        the q, k and v parts."""
+        full = sum(self.full_qkv_sizes)
+        if loaded.dim() == 2:
+            loaded = _Unsqueezed(loaded)
+        if tuple(loaded.shape) != (full, 1, self.kernel):
+            raise WeightShapeError((full, 1, self.kernel), tuple(loaded.shape), "conv1d")
+        copy_stacked_shards(param.data, loaded, self.full_qkv_sizes, self.tp.rank, self.tp.size)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         pool = ctx.kv_pool
         layer = self.cache_layer
-        qkv, z, b, a = self.in_proj(x).split(self.in_proj.output_sizes, dim=-1)
+        qkv, z, b, a = self.in_proj(x).split(self.in_proj_sizes, dim=-1)
         access = conv_window_access(
             ctx, self.kernel, 1, pool.conv_ring, pool.conv_state[layer].shape[0], "gdn.conv"
         )
@@ -117,3 +148,21 @@ class GatedDeltaNet(nn.Module):
         else:
             pool.ssm_state[layer][slots] = final
         return out[valid]
+
+
+class _Unsqueezed:
+    """A `[C, K]` filter seen as `[C, 1, K]` (lazy slices stay lazy)."""
+
+    def __init__(self, loaded):
+        self.loaded = loaded
+        self.shape = torch.Size((loaded.shape[0], 1, loaded.shape[1]))
+
+    def narrow(self, dim: int, start: int, length: int):
+        if dim != 0:
+            raise ValueError("only the channel dim of a conv filter is split")
+        return _Unsqueezed(self.loaded.narrow(0, start, length))
+
+    def materialize(self) -> torch.Tensor:
+        loaded = self.loaded
+        tensor = loaded if isinstance(loaded, torch.Tensor) else loaded.materialize()
+        return tensor.unsqueeze(1)

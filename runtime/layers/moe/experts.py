@@ -3,14 +3,17 @@
 
 `w13_weight [E_local, 2I, H]` holds each expert's gate (rows `:I`) and up (rows `I:`)
 projections; `w2_weight [E_local, H, I]` its down projection. Experts are split over the
-expert-parallel group in contiguous blocks; each rank computes its local experts and the
-partial outputs are summed across the group.
+expert-parallel group `ep` in contiguous blocks and each expert's intermediate width over
+`tp` (so `I` above is this rank's share); each rank computes its piece of every routed
+pair and the partial outputs are summed over `combine` (every rank holding a piece, SGLang's
+MoE all-reduce over the TP group).
 
-Two formulations of the same sum. Eager: (token, expert) pairs sorted by expert through one
-grouped GEMM per projection (counts and offsets depend on the routing). Captured steps
-(decode-sized batches): each pair multiplies by its expert's weights gathered per pair, a
-batched GEMM of fixed shape `[T * k]` (no sort, no counts); on CPU the compiler fuses the
-gather into the product, which beats the sorted form up to a few hundred pairs.
+Two formulations of this rank's piece, summed the same way. Eager: (token, expert) pairs
+sorted by expert through one grouped GEMM per projection (counts and offsets depend on the
+routing). Captured steps (decode-sized batches): each pair multiplies by its expert's
+weights gathered per pair, a batched GEMM of fixed shape `[T * k]` (no sort, no counts;
+pairs routed to another rank's experts weigh zero); on CPU the compiler fuses the gather
+into the product, which beats the sorted form up to a few hundred pairs.
 """
 
 from __future__ import annotations
@@ -22,7 +25,13 @@ from torch import nn
 from runtime.core.capture import in_capture
 from runtime.distributed import ParallelGroup, all_reduce
 from runtime.kernels.grouped_gemm import grouped_gemm
-from runtime.layers.weight_utils import copy_checked, expect_loads, make_param
+from runtime.layers.weight_utils import (
+    WeightShapeError,
+    copy_checked,
+    expect_loads,
+    make_param,
+    shard_of,
+)
 
 _SINGLE = ParallelGroup()
 
@@ -44,15 +53,26 @@ class FusedMoEExperts(nn.Module):
         ep: ParallelGroup = _SINGLE,
         swiglu_limit: float | None = None,
         params_dtype=None,
+        tp: ParallelGroup = _SINGLE,
+        combine: ParallelGroup | None = None,
+        reduce_results: bool = True,
     ):
         super().__init__()
         if num_experts % ep.size:
             raise ValueError(
                 f"{num_experts} experts do not split over {ep.size} expert-parallel ranks"
             )
+        if intermediate_size % tp.size:
+            raise ValueError(
+                f"expert width {intermediate_size} does not split over {tp.size} ranks"
+            )
         self.num_experts, self.ep, self.swiglu_limit = num_experts, ep, swiglu_limit
+        self.tp, self.combine = tp, combine if combine is not None else ep
+        self.reduce_results = reduce_results
         self.num_local_experts = num_experts // ep.size
         self.first_local_expert = ep.rank * self.num_local_experts
+        self.full_intermediate_size = intermediate_size
+        intermediate_size //= tp.size
         self.intermediate_size = intermediate_size
         e = self.num_local_experts
         self.w13_weight = make_param(
@@ -75,30 +95,54 @@ class FusedMoEExperts(nn.Module):
         """Load one expert's `w1`/`w3`/`w2` (shard id + expert id), or the whole fused tensor
         for all experts (`shard_id=None, expert_id=None`, HF `gate_up_proj`/`down_proj`)."""
         if expert_id is None:
-            first = self.first_local_expert
-            copy_checked(
-                param.data, loaded[first : first + self.num_local_experts], "fused experts"
-            )
+            if loaded.shape[0] != self.num_experts:
+                raise WeightShapeError(
+                    (self.num_experts, *loaded.shape[1:]), tuple(loaded.shape), "fused experts"
+                )
+            mine = loaded.narrow(0, self.first_local_expert, self.num_local_experts)
+            if param is self.w2_weight:
+                self._load_down(param.data, mine, "fused experts")
+            else:
+                full = self.full_intermediate_size
+                if mine.shape[1] != 2 * full:
+                    raise WeightShapeError(
+                        (self.num_local_experts, 2 * full, *mine.shape[2:]),
+                        tuple(mine.shape),
+                        "fused experts",
+                    )
+                i = self.intermediate_size
+                self._load_up(param.data[:, :i], mine.narrow(1, 0, full), 1, "fused gate")
+                self._load_up(param.data[:, i:], mine.narrow(1, full, full), 1, "fused up")
             return
         local = self.local_expert(expert_id)
         if local is None:
             return
         i = self.intermediate_size
         if shard_id == "w1":
-            copy_checked(param.data[local, :i], loaded, f"expert {expert_id} w1")
+            self._load_up(param.data[local, :i], loaded, 0, f"expert {expert_id} w1")
         elif shard_id == "w3":
-            copy_checked(param.data[local, i:], loaded, f"expert {expert_id} w3")
+            self._load_up(param.data[local, i:], loaded, 0, f"expert {expert_id} w3")
         elif shard_id == "w2":
-            copy_checked(param.data[local], loaded, f"expert {expert_id} w2")
+            self._load_down(param.data[local], loaded, f"expert {expert_id} w2")
         else:
             raise ValueError(f"expert shard id must be w1, w2 or w3, got {shard_id!r}")
+
+    def _load_up(self, dst: torch.Tensor, loaded, dim: int, what: str) -> None:
+        """Gate or up rows: this rank's share of the intermediate width (`dim`)."""
+        full = self.full_intermediate_size
+        copy_checked(dst, shard_of(loaded, dim, self.tp.rank, self.tp.size, full, what), what)
+
+    def _load_down(self, dst: torch.Tensor, loaded, what: str) -> None:
+        """Down projection: this rank's share of its input columns (the last dim)."""
+        full, dim = self.full_intermediate_size, loaded.dim() - 1
+        copy_checked(dst, shard_of(loaded, dim, self.tp.rank, self.tp.size, full, what), what)
 
     def forward(
         self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     ) -> torch.Tensor:
         """`x [T, H]`, `topk_weights/ids [T, k]` -> `sum_k w_k * expert_{id_k}(x)`, `[T, H]`."""
         if in_capture():
-            return all_reduce(self.forward_gathered(x, topk_weights, topk_ids), self.ep)
+            return self._reduce(self.forward_gathered(x, topk_weights, topk_ids))
         num_tokens, top_k = topk_ids.shape
         flat_ids = topk_ids.flatten() - self.first_local_expert
         token_of = torch.arange(num_tokens, device=x.device).repeat_interleave(top_k)
@@ -114,12 +158,17 @@ class FusedMoEExperts(nn.Module):
         down = grouped_gemm(swiglu(gate, up, self.swiglu_limit), self.w2_weight, group_ends)
         down = down * flat_weights[order].unsqueeze(-1).to(down.dtype)
         out = torch.zeros_like(x).index_add_(0, rows, down)
-        return all_reduce(out, self.ep)
+        return self._reduce(out)
+
+    def _reduce(self, out: torch.Tensor) -> torch.Tensor:
+        """Sum the ranks' pieces (`combine`), unless the caller sums them itself."""
+        return all_reduce(out, self.combine) if self.reduce_results else out
 
     def forward_gathered(
         self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     ) -> torch.Tensor:
-        """The fixed-shape formulation (this rank's experts; others contribute zero)."""
+        """The fixed-shape formulation of this rank's piece (its experts, its share of their
+        width; pairs routed to other ranks' experts contribute zero)."""
         num_tokens, top_k = topk_ids.shape
         local = topk_ids.flatten() - self.first_local_expert
         weights = topk_weights.flatten()

@@ -1,0 +1,95 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Copies of a request's non-shareable cache state, kept for the prefix cache.
+
+Full-history rows (KV per token slot, compressed entries per page) are shared by reference
+through the pages a prefix owns. What a pool keeps *per request* instead (position-keyed
+rings, recurrent state) cannot be shared that way: a request slot is reused by the next
+request. The prefix cache copies it into one of `num_slots` preallocated snapshot slots at
+a chosen position and copies it back into a new request's slot when that request resumes
+from there, as SGLang's hybrid linear-attention radix cache (`mamba_radix_cache.py`) keeps
+Mamba states at tree nodes.
+
+* `RequestStateSnapshots` is the pools' side (a mixin): a pool says which of its rows are a
+  request's (`request_state`) and holds the snapshot slots of its own buffers, so on every
+  rank of a tensor-parallel replica each pool copies its own shard.
+* `StateSnapshots` is the prefix cache's side: which snapshot slots are free, and the copies
+  as calls on every runner's pool (`pool_call`, which rank 0 of a replica replays on the
+  other ranks, like every cache change outside a forward).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+class RequestStateSnapshots:
+    """Mixin for a cache pool. The pool provides
+
+    * `request_state(req_pool_idx, verify_row=None) -> list[Tensor]`: views of the request's
+      rows in every per-request buffer (the same shapes for every request slot);
+    * `copy_pages(src_pages, dst_pages)`: copy the rows stored per token page (the partial page
+      a snapshot keeps past the last shared page goes into the resuming request's own page; a
+      page several requests read is never written).
+    """
+
+    _snapshot_store: list[torch.Tensor] = []
+
+    def request_state(self, req_pool_idx: int, verify_row: int | None = None) -> list:
+        raise NotImplementedError
+
+    def allocate_snapshots(self, num_slots: int) -> None:
+        self._snapshot_store = [
+            torch.zeros((num_slots, *v.shape), dtype=v.dtype, device=v.device)
+            for v in self.request_state(0)
+        ]
+
+    def snapshot_nbytes(self) -> int:
+        return sum(s.numel() * s.element_size() for s in self._snapshot_store)
+
+    def save_snapshot(self, req_pool_idx: int, slot: int, verify_row: int | None = None) -> None:
+        """Copy request `req_pool_idx`'s state into snapshot `slot` (`verify_row`: see
+        `request_state`)."""
+        for store, view in zip(self._snapshot_store, self.request_state(req_pool_idx, verify_row)):
+            store[slot].copy_(view)
+
+    def restore_snapshot(self, slot: int, req_pool_idx: int) -> None:
+        for store, view in zip(self._snapshot_store, self.request_state(req_pool_idx)):
+            view.copy_(store[slot])
+
+
+class StateSnapshots:
+    """Snapshot slots and the copies in and out of them, on the pools of `runners` (objects
+    with `kv_pool` and `pool_call(method, *args)`: the target's and the draft's runner)."""
+
+    def __init__(self, runners: Sequence, num_slots: int):
+        self.runners, self.num_slots = list(runners), num_slots
+        self._free = list(range(num_slots - 1, -1, -1))
+
+    def nbytes(self) -> int:
+        return sum(r.kv_pool.snapshot_nbytes() for r in self.runners)
+
+    def available(self) -> int:
+        return len(self._free)
+
+    def alloc(self) -> int | None:
+        return self._free.pop() if self._free else None
+
+    def free(self, slot: int) -> None:
+        if not 0 <= slot < self.num_slots or slot in self._free:
+            raise ValueError(f"snapshot slot {slot} is not allocated")
+        self._free.append(slot)
+
+    def save(self, req_pool_idx: int, slot: int, verify_row: int | None = None) -> None:
+        for runner in self.runners:
+            runner.pool_call("save_snapshot", req_pool_idx, slot, verify_row)
+
+    def restore(self, slot: int, req_pool_idx: int) -> None:
+        for runner in self.runners:
+            runner.pool_call("restore_snapshot", slot, req_pool_idx)
+
+    def copy_pages(self, src_pages: list[int], dst_pages: list[int]) -> None:
+        if src_pages:
+            for runner in self.runners:
+                runner.pool_call("copy_pages", list(src_pages), list(dst_pages))

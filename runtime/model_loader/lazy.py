@@ -1,0 +1,187 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Checkpoint tensors that are read only where a rank needs them.
+
+`LazyTensor` stands for one stored tensor: `shape`, `dtype`, `narrow(dim, start, length)`
+(a window, still unread) and `materialize()`, which reads just that window through
+safetensors' `get_slice`. Weight loaders narrow to their rank's share first, so under
+tensor or expert parallelism no rank ever holds a whole sharded tensor, let alone the whole
+checkpoint. `LazyDequantized` does the same for an FP8-block or MXFP4 weight: it reads the
+smallest block-aligned window of the packed weight and its scales, dequantizes that and
+crops. A lazy tensor is valid while its checkpoint file is open: until the loader iterating
+the checkpoint moves on to the next tensor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from runtime.model_loader.quantization import (
+    MXFP4_GROUP,
+    dequant_fp8_block,
+    dequant_mxfp4,
+    dequantize_tensor,
+)
+from runtime.model_loader.safetensors_io import CheckpointError, CheckpointIndex, open_shard
+
+
+def _full(shape) -> tuple[tuple[int, int], ...]:
+    return tuple((0, n) for n in shape)
+
+
+def _narrowed(window, shape, dim: int, start: int, length: int):
+    dim = dim % len(window)
+    if start < 0 or length < 0 or start + length > shape[dim]:
+        raise IndexError(f"narrow({dim}, {start}, {length}) out of range for shape {tuple(shape)}")
+    lo = window[dim][0]
+    return window[:dim] + ((lo + start, lo + start + length),) + window[dim + 1 :]
+
+
+class LazyTensor:
+    """A window of one stored tensor in an open safetensors file (`safe_open` handle)."""
+
+    def __init__(self, handle, name: str, shape, dtype: torch.dtype, window=None):
+        self.handle, self.name, self.dtype = handle, name, dtype
+        self.stored_shape = tuple(shape)
+        self.window = window if window is not None else _full(shape)
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size(end - start for start, end in self.window)
+
+    def dim(self) -> int:
+        return len(self.window)
+
+    def numel(self) -> int:
+        return self.shape.numel()
+
+    def narrow(self, dim: int, start: int, length: int) -> LazyTensor:
+        window = _narrowed(self.window, self.shape, dim, start, length)
+        return LazyTensor(self.handle, self.name, self.stored_shape, self.dtype, window)
+
+    def materialize(self) -> torch.Tensor:
+        try:
+            if self.window == _full(self.stored_shape):
+                return self.handle.get_tensor(self.name)
+            return self.handle.get_slice(self.name)[tuple(slice(a, b) for a, b in self.window)]
+        except Exception as e:  # safetensors raises its own error type for bad files
+            raise CheckpointError(
+                f"cannot read tensor '{self.name}' ({e}): the file is corrupt or truncated"
+            ) from e
+
+
+class LazyDequantized:
+    """A window of a quantized weight, dequantized to `dtype` when read.
+
+    FP8 block (`[out, in]` float8 with `[ceil(out/b0), ceil(in/b1)]` scales) or MXFP4 (packed
+    `[..., in/2]` E2M1 pairs with `[..., in/32]` E8M0 scales); anything else is dequantized
+    whole (`dequantize_tensor`) and then narrowed. `weight` is a `LazyTensor`, `scale` a
+    tensor (scales are small)."""
+
+    def __init__(
+        self,
+        weight: LazyTensor,
+        scale: torch.Tensor,
+        block_size: tuple[int, int],
+        dtype: torch.dtype,
+        window=None,
+    ):
+        self.weight, self.scale, self.block_size, self.dtype = weight, scale, block_size, dtype
+        self.kind = self._kind()
+        self.logical_shape = self._logical_shape()
+        self.window = window if window is not None else _full(self.logical_shape)
+
+    def _kind(self) -> str:
+        w = self.weight
+        if w.dtype == torch.float8_e4m3fn and w.dim() == 2:
+            return "fp8"
+        if (
+            w.dtype in (torch.int8, torch.uint8)
+            and w.dim() >= 1
+            and self.scale.dim() == w.dim()
+            and self.scale.shape[-1] * MXFP4_GROUP == w.shape[-1] * 2
+        ):
+            return "mxfp4"
+        return "other"
+
+    def _logical_shape(self) -> tuple[int, ...]:
+        shape = tuple(self.weight.shape)
+        return shape[:-1] + (2 * shape[-1],) if self.kind == "mxfp4" else shape
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size(end - start for start, end in self.window)
+
+    def dim(self) -> int:
+        return len(self.window)
+
+    def numel(self) -> int:
+        return self.shape.numel()
+
+    def narrow(self, dim: int, start: int, length: int) -> LazyDequantized:
+        window = _narrowed(self.window, self.shape, dim, start, length)
+        return LazyDequantized(self.weight, self.scale, self.block_size, self.dtype, window)
+
+    def materialize(self) -> torch.Tensor:
+        if self.kind == "fp8":
+            return self._fp8()
+        if self.kind == "mxfp4":
+            return self._mxfp4()
+        full = dequantize_tensor(self.weight.materialize(), self.scale, self.block_size, self.dtype)
+        return full[tuple(slice(a, b) for a, b in self.window)]
+
+    def _fp8(self) -> torch.Tensor:
+        """The block-aligned cover of the window, dequantized, then cropped."""
+        blocks, w = self.block_size, self.weight
+        aligned, scale, crop = [], self.scale, []
+        for dim, ((start, end), block) in enumerate(zip(self.window, blocks)):
+            first, last = start // block, -(-end // block)
+            lo, hi = first * block, min(last * block, self.logical_shape[dim])
+            aligned.append((lo, hi))
+            scale = scale.narrow(dim, first, last - first)
+            crop.append(slice(start - lo, end - lo))
+        for dim, (lo, hi) in enumerate(aligned):
+            w = w.narrow(dim, lo, hi - lo)
+        piece = dequant_fp8_block(w.materialize(), scale, blocks, self.dtype)
+        return piece[tuple(crop)]
+
+    def _mxfp4(self) -> torch.Tensor:
+        """Leading dims as they are; the last dim aligned to whole 32-value scale groups."""
+        w, scale = self.weight, self.scale
+        for dim, (start, end) in enumerate(self.window[:-1]):
+            w, scale = w.narrow(dim, start, end - start), scale.narrow(dim, start, end - start)
+        start, end = self.window[-1]
+        first, last = start // MXFP4_GROUP, -(-end // MXFP4_GROUP)
+        last_dim = len(self.window) - 1
+        w = w.narrow(last_dim, first * MXFP4_GROUP // 2, (last - first) * MXFP4_GROUP // 2)
+        scale = scale.narrow(last_dim, first, last - first)
+        piece = dequant_mxfp4(w.materialize(), scale, self.dtype)
+        offset = first * MXFP4_GROUP
+        return piece[..., start - offset : end - offset]
+
+
+def iterate_lazy(
+    index: CheckpointIndex,
+    names: Iterable[str] | None = None,
+    progress: bool = True,
+    desc: str = "Loading weights",
+) -> Iterator[tuple[str, LazyTensor]]:
+    """`iterate_tensors`' order and checks, but yields `LazyTensor`s that read nothing until
+    materialized; each is valid until the next one is yielded."""
+    wanted = index.names() if names is None else list(dict.fromkeys(names))
+    by_file: dict[Path, list[str]] = {f: [] for f in index.files}
+    for name in wanted:
+        by_file[index.file_of(name)].append(name)
+    bar = tqdm(total=len(wanted), desc=desc, unit="tensor", disable=None if progress else True)
+    with bar:
+        for file, file_names in by_file.items():
+            if not file_names:
+                continue
+            file_names.sort(key=lambda n: index.info(n).begin)
+            with open_shard(file) as handle:
+                for name in file_names:
+                    yield name, LazyTensor(handle, name, index.shape(name), index.dtype(name))
+                    bar.update(1)

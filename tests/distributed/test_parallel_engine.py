@@ -1,0 +1,99 @@
+# SPDX-License-Identifier: Apache-2.0
+"""`Engine(tp_size=2, ...)` (rank 0 here, rank 1 a spawned process on gloo) against the
+one-rank engine: greedy NEXTN output token for token, the same acceptance counters (the
+draft sees the same hidden states on both ranks), and seeded sampling draw for draw."""
+
+from __future__ import annotations
+
+import pytest
+
+from runtime.engine.engine import Engine
+from tests.tiny_checkpoints import build_tiny_qwen4_exp_mtp_checkpoint, build_tiny_v4_mtp_checkpoint
+
+PROMPTS = [[5, 9, 3, 17, 22, 8, 41, 7, 13, 2, 30, 11, 19, 6, 27, 33, 4, 15, 21], [3] * 26, [7, 8]]
+GREEDY = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
+SEEDED = [
+    {"temperature": 0.9, "top_p": 0.9, "max_new_tokens": 16, "sampling_seed": 11 + i}
+    for i in range(len(PROMPTS))
+]
+UNSEEDED = {"temperature": 1.0, "max_new_tokens": 12, "ignore_eos": True}
+
+
+def run(path, **parallel):
+    engine = Engine(
+        model_path=str(path),
+        dtype="float32",
+        speculative_algorithm="NEXTN",
+        skip_tokenizer_init=True,
+        max_total_tokens=2048,
+        max_running_requests=8,
+        random_seed=5,  # the engine generator (requests without a seed of their own)
+        **parallel,
+    )
+    try:
+        greedy = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)
+        stats = engine.stats()
+        seeded = engine.generate(input_ids=PROMPTS, sampling_params=SEEDED)
+        unseeded = engine.generate(input_ids=PROMPTS, sampling_params=UNSEEDED)
+        memory = engine.rank_memory
+    finally:
+        engine.shutdown()
+    ids = [[r["output_ids"] for r in batch] for batch in (greedy, seeded, unseeded)]
+    return ids, (stats.spec_verify_rounds, stats.spec_emitted_tokens), memory
+
+
+def check_tp2_equals_tp1(path, **parallel):
+    ids, spec, memory = run(path, **parallel)
+    ref_ids, ref_spec, ref_memory = run(path)
+    assert ids[0] == ref_ids[0]  # greedy
+    assert spec == ref_spec  # same drafts proposed and accepted
+    assert ids[1] == ref_ids[1]  # per-request seeds
+    assert ids[2] == ref_ids[2]  # the engine's seeded generator
+    assert [m.rank for m in memory] == [0, 1] and len(ref_memory) == 1
+    assert all(m.weights < ref_memory[0].weights for m in memory)
+
+
+def test_deepseek_v4_tp2_ep2_nextn_equals_one_rank(tmp_path):
+    path = build_tiny_v4_mtp_checkpoint(tmp_path, seed=4)[0]
+    check_tp2_equals_tp1(path, tp_size=2, ep_size=2)
+
+
+@pytest.mark.slow
+def test_qwen4_exp_tp2_nextn_equals_one_rank(tmp_path):
+    path = build_tiny_qwen4_exp_mtp_checkpoint(tmp_path, seed=4)[0]
+    check_tp2_equals_tp1(path, tp_size=2)
+
+
+def two_turns(path, **options):
+    """Each prompt, then a second turn resending it with its answer: the prefix cache's
+    snapshot restores and page copies run on every rank (`pool_call`)."""
+    engine = Engine(
+        model_path=str(path),
+        dtype="float32",
+        speculative_algorithm="NEXTN",
+        skip_tokenizer_init=True,
+        max_total_tokens=2048,
+        max_running_requests=8,
+        page_size=4,
+        **options,
+    )
+    try:
+        first = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)
+        again = [p + r["output_ids"] + [9, 10, 11] for p, r in zip(PROMPTS, first, strict=True)]
+        second = engine.generate(input_ids=again, sampling_params=GREEDY)
+        stats = engine.stats()
+    finally:
+        engine.shutdown()
+    return (
+        [r["output_ids"] for r in first + second],
+        [r["meta_info"]["cached_tokens"] for r in second],
+        (stats.spec_verify_rounds, stats.spec_emitted_tokens),
+    )
+
+
+def test_prefix_cache_resumes_on_every_rank(tmp_path):
+    path = build_tiny_v4_mtp_checkpoint(tmp_path, seed=4)[0]
+    tp2 = two_turns(path, tp_size=2)
+    assert tp2[1] == [len(p) + GREEDY["max_new_tokens"] - 1 for p in PROMPTS]
+    assert tp2 == two_turns(path)
+    assert tp2[0] == two_turns(path, disable_radix_cache=True)[0]
