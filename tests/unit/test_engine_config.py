@@ -9,6 +9,7 @@ import dataclasses
 
 import pytest
 
+from runtime.configs.capture import DISABLE_ENV
 from runtime.configs.engine_config import EngineConfig, default_model_path
 from runtime.server_args import ServerArgs
 
@@ -106,3 +107,36 @@ def test_a_script_can_take_a_subset_of_the_flags():
     assert config.max_total_tokens == EngineConfig().max_total_tokens
     with pytest.raises(SystemExit):
         parser.parse_args(["--page-size", "4"])  # not asked for
+
+
+def test_capture_flags_and_why_steps_run_eagerly(monkeypatch):
+    """Captured steps are on by default (SGLang's --disable-cuda-graph turns them off), the
+    bucket flags reach the CaptureConfig, and a multi-rank replica runs eagerly with the
+    reason given instead of capturing steps its ranks would not run together."""
+    monkeypatch.delenv(DISABLE_ENV, raising=False)
+    config = EngineConfig(cuda_graph_bs=[1, 4], capture_compile="inline").resolve()
+    assert config.capture_off_reason() is None
+    capture = config.capture_config()
+    assert capture.enabled and not capture.background and capture.buckets(8) == (1, 4)
+    assert EngineConfig(cuda_graph_max_bs=6).capture_config().buckets(64) == (1, 2, 4, 6)
+    off = EngineConfig(disable_cuda_graph=True)
+    assert not off.capture_config().enabled and off.capture_off_reason() == "--disable-cuda-graph"
+    for parallel in ({"tp_size": 2}, {"ep_size": 2}, {"tp_size": 2, "ep_size": 2}):
+        replica = EngineConfig(**parallel).resolve()
+        assert not replica.capture_config().enabled
+        assert "a replica of 2 ranks" in replica.capture_off_reason()
+    monkeypatch.setenv(DISABLE_ENV, "1")
+    assert not config.capture_config().enabled and DISABLE_ENV in config.capture_off_reason()
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        ({"capture_compile": "lazy"}, "--capture-compile must be one of background, inline"),
+        ({"cuda_graph_max_bs": 0}, "--cuda-graph-max-bs must be >= 1"),
+        ({"cuda_graph_bs": [4, 0]}, "--cuda-graph-bs sizes must be >= 1"),
+    ],
+)
+def test_bad_capture_flags_are_refused(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(**overrides).resolve()

@@ -226,6 +226,45 @@ def test_expert_parallel_ranks_sum_to_the_whole(monkeypatch):
     torch.testing.assert_close(total, full, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("ep,tp", [(1, 1), (2, 1), (1, 2), (2, 2)])
+def test_fixed_shape_experts_under_expert_and_tensor_parallel(monkeypatch, ep, tp):
+    """The form captured steps take (per-pair gathered weights, no data-dependent shapes)
+    on every (expert block, width slice) shard: each rank's piece goes through the layer's
+    one reduction over `combine` (or none when the caller fuses it), and the pieces sum to
+    the dense re-statement, as the eager form's do."""
+    reduced = []
+
+    def all_reduce(x, group):
+        reduced.append(group)
+        return x
+
+    monkeypatch.setattr(experts_mod, "all_reduce", all_reduce)
+    monkeypatch.setattr(experts_mod, "in_capture", lambda: True)
+    w13, w2 = torch.randn(8, 2 * 12, 16), torch.randn(8, 16, 12)
+    x = torch.randn(5, 16)
+    weights, ids = select_experts(torch.randn(5, 8), 3, "sqrtsoftplus")
+    full = dense_moe(x, w13, w2, weights, ids, 0.7)
+    total = torch.zeros_like(x)
+    for rank in range(ep * tp):
+        combine = ParallelGroup(rank, ep * tp)
+        part = FusedMoEExperts(
+            8,
+            16,
+            12,
+            ep=ParallelGroup(rank // tp, ep),
+            swiglu_limit=0.7,
+            tp=ParallelGroup(rank % tp, tp),
+            combine=combine,
+            reduce_results=rank % 2 == 0,
+        )
+        part.weight_loader(part.w13_weight, w13)
+        part.weight_loader(part.w2_weight, w2)
+        before = len(reduced)
+        total += part(x, weights, ids)
+        assert reduced[before:] == ([combine] if rank % 2 == 0 else [])
+    torch.testing.assert_close(total, full, atol=1e-4, rtol=1e-4)
+
+
 def test_moe_checkpoint_loader_maps_per_expert_names():
     loader = MoECheckpointLoader(
         ExpertCheckpointSchema("w1", "w2", "w3"), num_experts=8, ep_rank=1, ep_size=2
