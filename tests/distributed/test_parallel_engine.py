@@ -5,8 +5,11 @@ draft sees the same hidden states on both ranks), and seeded sampling draw for d
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
+from runtime.configs.capture import DISABLE_ENV
 from runtime.engine.engine import Engine
 from tests.tiny_checkpoints import build_tiny_qwen4_exp_mtp_checkpoint, build_tiny_v4_mtp_checkpoint
 
@@ -97,3 +100,31 @@ def test_prefix_cache_resumes_on_every_rank(tmp_path):
     assert tp2[1] == [len(p) + GREEDY["max_new_tokens"] - 1 for p in PROMPTS]
     assert tp2 == two_turns(path)
     assert tp2[0] == two_turns(path, disable_radix_cache=True)[0]
+
+
+def test_a_replica_asked_to_capture_runs_eagerly_and_says_why(tmp_path, monkeypatch, caplog):
+    """Captured steps are not coordinated across ranks: a multi-rank replica with capture
+    left on (the default) runs its steps eagerly, logs why, and serves as one rank does."""
+    monkeypatch.delenv(DISABLE_ENV, raising=False)
+    path = build_tiny_v4_mtp_checkpoint(tmp_path, seed=4)[0]
+    common = dict(
+        model_path=str(path),
+        dtype="float32",
+        speculative_algorithm="NEXTN",
+        skip_tokenizer_init=True,
+        max_total_tokens=2048,
+        max_running_requests=4,
+    )
+    params = {**GREEDY, "max_new_tokens": 12}
+    with caplog.at_level(logging.WARNING, logger="runtime.engine.engine"):
+        engine = Engine(**common, tp_size=2)
+    try:
+        assert engine.runner.graph_runner is None
+        assert engine.worker.drafter.runner.graph_runner is None
+        ids = [r["output_ids"] for r in engine.generate(input_ids=PROMPTS, sampling_params=params)]
+    finally:
+        engine.shutdown()
+    assert "captured steps off: a replica of 2 ranks" in caplog.text
+    one_rank = Engine(**common, disable_cuda_graph=True)
+    reference = one_rank.generate(input_ids=PROMPTS, sampling_params=params)
+    assert ids == [r["output_ids"] for r in reference]
