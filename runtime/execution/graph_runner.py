@@ -264,6 +264,11 @@ class GraphRunner:
             return dict(self.config.inductor_options)
         return {**CPU_INDUCTOR_OPTIONS, **self.config.inductor_options}
 
+    def configure_regions(self) -> None:
+        """Nested compile regions on or off for this runner's compiles (inductor's C++
+        wrapper cannot call them); callers hold `_compile_lock` or trace only."""
+        hyper_connection.COMPILE_HC_PRE_ONCE = not self._options().get("cpp_wrapper")
+
     def _schedule(self, step: CapturedStep) -> None:
         if not self.config.background:
             self._compile(step)
@@ -288,8 +293,7 @@ class GraphRunner:
         start = time.perf_counter()
         try:
             with torch.inference_mode(), _compile_lock:
-                # inductor's C++ wrapper cannot call nested compile regions
-                hyper_connection.COMPILE_HC_PRE_ONCE = not self._options().get("cpp_wrapper")
+                self.configure_regions()
                 batch = self.padded_batch(self._padding_input(step), step.key)
                 if self.cuda:
                     self._capture_cuda_graph(step, batch)

@@ -20,6 +20,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
+from runtime.layers import hyper_connection
 from scripts import REPO_ROOT
 from scripts.bench import datasets
 from scripts.tiny_training.corpus import split_by_file, stdlib_sources
@@ -238,6 +239,31 @@ def test_bad_flags_fail_before_loading(capsys):
     with pytest.raises(SystemExit) as err:
         script("bench_serving").main(["--compare"])
     assert err.value.code == 2
+
+
+def test_capture_stats_reports_every_captured_step_as_one_graph(ckpt, capsys, monkeypatch):
+    """`scripts.capture_stats`: each step a plain decode or a NEXTN round replays (the
+    prefill stays eager) traces to one graph, reported with its operator count; the
+    one-layer draft's steps are far smaller than the target's."""
+    monkeypatch.setattr(
+        hyper_connection, "COMPILE_HC_PRE_ONCE", hyper_connection.COMPILE_HC_PRE_ONCE
+    )
+    argv = ["--model-path", str(ckpt), "--batch-size", "2", "--speculative-num-steps", "2"]
+    script("capture_stats").main(argv)
+    lines = capsys.readouterr().out.splitlines()
+    counts = {}
+    for line in lines:
+        match = re.fullmatch(r"(bs 2: .+): (\d+) operators, one graph", line)
+        assert match, line
+        counts[match.group(1)] = int(match.group(2))
+    assert set(counts) == {
+        "bs 2: target decode 1 row(s)/request",
+        "bs 2: target target_verify 3 row(s)/request",
+        "bs 2: draft draft_extend 3 row(s)/request",
+        "bs 2: draft decode (chained) 1 row(s)/request",
+    }
+    draft = max(v for k, v in counts.items() if "draft" in k.split(":")[1])
+    assert 0 < 2 * draft < min(v for k, v in counts.items() if "target" in k)
 
 
 # --------------------------------------------------------------------------------------
