@@ -1,0 +1,152 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Captured steps beside the prefix cache, fault isolation and retraction.
+
+Each scenario runs on an engine whose runners replay captured steps (bucket 4, compiled
+inline with inductor's Python wrapper, as in `test_captured_steps.py`) and is held against
+plain eager decoding without a prefix cache: the same greedy tokens. The prefix cache
+restores ring snapshots and borrows pages that captured decode steps then address through
+their prepared metadata; a step that raises after its captured forward wrote the whole
+padded batch is bisected down to its culprit; NEXTN rounds (captured verify and draft steps)
+share steps with prefill chunks while a small pool keeps retracting requests. The plain
+engine is built and compiled once for the module; the NEXTN test compiles three more steps
+and is `slow`.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from runtime import Engine
+from runtime.execution.graph_runner import GraphRunner
+from tests.engine.test_captured_steps import BUCKET, bucket_config
+from tests.engine.test_fault_isolation import BAD, poison, run
+from tests.engine.test_nextn import make_prompts
+from tests.tiny_checkpoints import build_tiny_v4_mtp_checkpoint
+
+GREEDY = {"temperature": 0, "max_new_tokens": 20, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return build_tiny_v4_mtp_checkpoint(tmp_path_factory.mktemp("captured_serving"), seed=3)[0]
+
+
+def capture(engine: Engine) -> dict[str, list[bool]]:
+    """Give the engine's runners captured steps; returns, per runner role, whether each of
+    its forwards that could replay a captured step did."""
+    runners = [engine.runner] + ([engine.worker.drafter.runner] if engine.spec_config else [])
+    replays = {}
+    for runner in runners:
+        graph_runner = GraphRunner(runner, bucket_config(), engine.config.max_running_requests)
+        seen = replays[runner.role] = []
+
+        def try_forward(inp, graph_runner=graph_runner, real=graph_runner.try_forward, seen=seen):
+            out = real(inp)
+            if graph_runner.step_key(inp) is not None:
+                seen.append(out is not None)
+            return out
+
+        graph_runner.try_forward = try_forward
+        runner.graph_runner = graph_runner
+    return replays
+
+
+def eager_outputs(path, prompts, params, **kw) -> list[list[int]]:
+    """Plain decoding, eager, no prefix cache: the oracle."""
+    engine = Engine(
+        model_path=str(path), dtype="float32", page_size=4, disable_radix_cache=True, **kw
+    )
+    return [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=params)]
+
+
+@pytest.fixture(scope="module")
+def captured_plain(ckpt):
+    engine = Engine(
+        model_path=str(ckpt),
+        dtype="float32",
+        page_size=4,
+        max_running_requests=BUCKET,
+        radix_snapshot_interval=8,
+    )
+    return engine, capture(engine)["target"]
+
+
+def test_prefix_cache_hits_feed_captured_decode_steps(ckpt, captured_plain):
+    """A second turn resumes from the snapshot its first turn's captured decode steps left,
+    and requests sharing the first prompt's leading tokens borrow its pages and restore a
+    snapshot taken mid-prefill: their captured decode steps (three requests padded into
+    bucket 4) give the tokens of eager decoding without a cache."""
+    engine, replays = captured_plain
+    common = make_prompts(1, seed=21, low=40, high=41)[0]
+    first = common + [11, 12, 13]
+    assert engine.flush_cache()
+    (one,) = engine.generate(input_ids=[first], sampling_params=GREEDY)
+    second = [first + one["output_ids"] + [9, 10]]
+    second += [common + tail for tail in make_prompts(2, seed=22, low=2, high=9)]
+    replays.clear()
+    outs = engine.generate(input_ids=second, sampling_params=GREEDY)
+    cached = [o["meta_info"]["cached_tokens"] for o in outs]
+    # the whole first turn but its newest token (in no cache yet); the shared 40 tokens
+    # down to the last snapshot point (every 8) whose next token is still shared
+    assert cached == [len(first) + GREEDY["max_new_tokens"] - 1, 32, 32]
+    assert replays and all(replays), "every decode step replays the captured bucket"
+    expected = eager_outputs(ckpt, [first] + second, GREEDY)
+    assert [one["output_ids"]] + [o["output_ids"] for o in outs] == expected
+
+
+def test_a_failing_captured_step_fails_only_its_culprit(ckpt, captured_plain):
+    """The step raises after its captured forward wrote cache rows for every request of the
+    padded batch; bisection retracts and re-runs the suspects (nothing of theirs kept) until
+    the culprit fails alone. The others get the output of a run without it."""
+    engine, replays = captured_plain
+    prompts = make_prompts(5, seed=2, low=4, high=30)
+    innocent = prompts[:2] + prompts[3:]
+    fired = poison(engine, len(prompts[2]) + 5)
+    replays.clear()
+    try:
+        reqs = [engine.make_request(p, GREEDY, rid=f"r{i}") for i, p in enumerate(innocent)]
+        bad = engine.make_request(prompts[2], GREEDY, rid=BAD)
+        run(engine, reqs[:2] + [bad] + reqs[2:])
+    finally:
+        del engine.worker.step  # the worker's own step again
+    assert bad.finish_reason.type == "abort" and "kernel exploded" in bad.finish_reason.message
+    assert [r.finish_reason.type for r in reqs] == ["length"] * len(reqs)
+    assert [r.output_ids for r in reqs] == eager_outputs(ckpt, innocent, GREEDY)
+    assert fired[0] > 1 and fired[-1] == 1
+    assert not engine.scheduler.isolation.active
+    assert replays and all(replays)
+
+
+@pytest.mark.slow
+def test_captured_nextn_under_retraction_equals_plain(ckpt):
+    """NEXTN with captured verify and draft steps, prefill chunks of 16 sharing steps with
+    verify rounds, in a pool so small that requests keep being retracted and resumed: the
+    tokens of plain eager decoding, every slot back."""
+    prompts = make_prompts(6, seed=4, low=6, high=46)
+    params = {**GREEDY, "max_new_tokens": 40}
+    engine = Engine(
+        model_path=str(ckpt),
+        dtype="float32",
+        page_size=4,
+        chunked_prefill_size=16,
+        max_total_tokens=160,
+        max_running_requests=BUCKET,
+        speculative_algorithm="NEXTN",
+        speculative_num_steps=2,
+    )
+    replays = capture(engine)
+    mixed = []
+    real_step = engine.worker.step
+
+    def step(prefill, decode):
+        mixed.append(bool(prefill) and bool(decode))
+        return real_step(prefill, decode)
+
+    engine.worker.step = step
+    reqs = [engine.make_request(p, params) for p in prompts]
+    run(engine, reqs)
+    assert [r.finish_reason.type for r in reqs] == ["length"] * len(reqs)
+    assert [r.output_ids for r in reqs] == eager_outputs(ckpt, prompts, params)
+    assert engine.scheduler.num_retractions > 0 and any(mixed)
+    for role, seen in replays.items():
+        assert seen and all(seen), role
