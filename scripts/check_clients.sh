@@ -105,7 +105,8 @@ for mode in "${modes[@]}"; do
         run "bench_serving_${backend}_$mode" $py -m sglang.bench_serving --backend "$backend" \
             --base-url "$url" --model "$model" --tokenizer "$model" \
             --dataset-name sharegpt --dataset-path "$work/sharegpt.json" --num-prompts 8 \
-            --sharegpt-output-len 32 --request-rate inf --disable-tqdm
+            --sharegpt-output-len 32 --request-rate inf --disable-tqdm \
+            --output-file "$work/bench_serving_${backend}_$mode.jsonl"
         grep -E "Successful requests|Output token throughput|Accept length" \
             "$work/bench_serving_${backend}_$mode.log" | sed 's/^/          /' | tee -a "$summary"
     done
