@@ -20,12 +20,13 @@ the same prompts; `--hf-baseline` runs transformers' `generate` (left-padded bat
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 import time
 
 from runtime.core.errors import InvalidRequestError
 from scripts.bench import flags, hf_baseline
-from scripts.bench.datasets import requests_from_args, warmup_subset
+from scripts.bench.datasets import WARMUP_OUTPUT_LEN, requests_from_args, warmup_subset
 from scripts.bench.report import (
     append_jsonl,
     plot_offline,
@@ -45,6 +46,7 @@ from scripts.bench.variants import (
     set_threads,
     spec_counters,
 )
+from scripts.bench.warmup import captured_buckets, report_compiles
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -99,10 +101,24 @@ def run_all(engine, args, dataset, desc: str) -> tuple[list[dict], float]:
     return [engine.result(r) for r in reqs], duration
 
 
+def warm_up_buckets(engine, args, dataset) -> None:
+    """One short batch per captured bucket the run can meet (every request at once, then
+    fewer as they finish), so no bucket compiles inside the timed run."""
+    most = min(len(dataset), engine.config.max_running_requests)
+    for bucket in captured_buckets(engine, most):
+        batch = [
+            (ids, WARMUP_OUTPUT_LEN)
+            for ids, _ in itertools.islice(itertools.cycle(dataset), bucket)
+        ]
+        run_all(engine, args, batch, f"warmup batch {bucket}")
+    report_compiles(engine)
+
+
 def measure(engine, variant: Variant, args, dataset) -> dict:
     """One run of the whole dataset through `engine`; SGLang's result keys."""
     if not args.skip_warmup:
         run_all(engine, args, warmup_subset(dataset), "warmup")
+        warm_up_buckets(engine, args, dataset)
     before = spec_counters(engine)
     results, duration = run_all(engine, args, dataset, variant.label)
     ok = [r for r in results if r["meta_info"]["finish_reason"]["type"] != "abort"]

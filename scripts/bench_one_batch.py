@@ -49,6 +49,7 @@ from scripts.bench.variants import (
     set_threads,
     spec_counters,
 )
+from scripts.bench.warmup import report_compiles
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -177,18 +178,7 @@ def warm_up(engine, args, settings) -> None:
             args.seed + 1, bs, input_len, engine.model_config.vocab_size, args.file_prompts
         )
         run_batch(engine, warm, min(output_len, WARMUP_OUTPUT_LEN))
-    for runner in captured_runners(engine):
-        runner.graph_runner.wait_until_idle()
-        for step, state, seconds in runner.graph_runner.compiled_steps():
-            print(f"captured step {step}: {state}, compiled in {seconds:.1f} s")
-
-
-def captured_runners(engine) -> list:
-    runners = [engine.runner]
-    drafter = getattr(engine.worker, "drafter", None)
-    if drafter is not None:
-        runners.append(drafter.runner)
-    return [r for r in runners if getattr(r, "graph_runner", None) is not None]
+    report_compiles(engine)
 
 
 def run_variants(args, variants: list[Variant], settings) -> tuple[list, list, dict]:
