@@ -26,6 +26,7 @@ AOT autograd caches under the runtime cache directory, so a second start only re
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import logging
 import os
@@ -175,9 +176,23 @@ class GraphRunner:
         if step.state is StepState.PENDING:
             self._schedule(step)
         if step.state is not StepState.READY:
-            return None
-        batch = self.padded_batch(inp, key)
+            # while its own bucket compiles, a batch pads into a larger bucket that is ready
+            # (more padding rows cost far less than an eager step), else it runs eagerly
+            step = self._ready_larger(key)
+            if step is None:
+                return None
+        batch = self.padded_batch(inp, step.key)
         return self._run(step, batch, len(inp.extend_lens))
+
+    def _ready_larger(self, key: StepKey) -> CapturedStep | None:
+        """The smallest ready step like `key` but for a larger bucket."""
+        with self._lock:
+            for bucket in self.buckets:
+                if bucket > key.bucket:
+                    step = self._steps.get(dataclasses.replace(key, bucket=bucket))
+                    if step is not None and step.state is StepState.READY:
+                        return step
+        return None
 
     def padded_batch(self, inp, key: StepKey) -> tuple[ForwardContext, torch.Tensor, object]:
         """The live batch padded to `key.bucket` requests: (context with metadata, input ids,

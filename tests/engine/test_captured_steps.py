@@ -19,7 +19,7 @@ from runtime.cache import PagedTokenAllocator, ReqToTokenPool, SlotTable
 from runtime.configs.capture import DISABLE_ENV, CaptureConfig
 from runtime.configs.model_config import ModelConfig
 from runtime.core.forward_mode import CaptureHiddenMode, ForwardMode
-from runtime.execution.graph_runner import GraphRunner
+from runtime.execution.graph_runner import GraphRunner, StepState
 from runtime.execution.model_runner import ModelInput, ModelRunner
 from runtime.model_loader.build import load_model
 from runtime.models.registry import model_classes
@@ -190,11 +190,16 @@ def test_decode_verify_and_draft_steps_trace_to_one_graph(family, request):
 
 def test_captured_decode_matches_eager_logits_with_padding_and_churn(tiny_v4):
     """Decode steps of 1 to 4 live requests in bucket 4 (requests join and leave between
-    steps, contexts grow past one padded entry count of the compressed layers): each
-    captured step's logits equal the eager step's on the same caches."""
+    steps, contexts grow past one padded entry count of the compressed layers; one live
+    request pads into bucket 4 while its own bucket 1 is compiling): each captured step's
+    logits equal the eager step's on the same caches."""
     path, _ = tiny_v4
-    table, runner, _ = make_runners(path, capture=bucket_config(), draft=False)
+    config = bucket_config(batch_sizes=(1, BUCKET))
+    table, runner, _ = make_runners(path, capture=config, draft=False)
     graph_runner = runner.graph_runner
+    replayed = []
+    run_step = graph_runner._run
+    graph_runner._run = lambda step, *a: replayed.append(step.key.bucket) or run_step(step, *a)
     prompts = prompts_of((30, 7, 66, 12), seed=3)
     live = dict(zip(range(3), prefill(table, runner, prompts[:3])))
     lengths = {i: len(prompts[i]) for i in live}
@@ -203,8 +208,8 @@ def test_captured_decode_matches_eager_logits_with_padding_and_churn(tiny_v4):
         if step == 3:  # a fourth request joins
             live[3] = prefill(table, runner, prompts[3:4])[0]
             lengths[3], tokens[3] = len(prompts[3]), prompts[3][-1]
-        if step == 6:  # two leave
-            del live[0], live[2]
+        if step == 6:  # three leave
+            del live[0], live[2], live[3]
         order = sorted(live)
         inp = ModelInput(
             ForwardMode.DECODE,
@@ -213,6 +218,8 @@ def test_captured_decode_matches_eager_logits_with_padding_and_churn(tiny_v4):
             [lengths[i] for i in order],
             [1] * len(order),
         )
+        if len(order) == 1:  # bucket 1 still compiling: the step pads into bucket 4
+            graph_runner._step(graph_runner.step_key(inp), None).state = StepState.COMPILING
         runner.graph_runner = None
         eager = runner.forward(inp).next_token_logits
         runner.graph_runner = graph_runner
@@ -221,7 +228,8 @@ def test_captured_decode_matches_eager_logits_with_padding_and_churn(tiny_v4):
         torch.testing.assert_close(captured, eager, atol=ATOL, rtol=0, msg=f"step {step}")
         for i, token in zip(order, eager.argmax(-1).tolist()):
             tokens[i], lengths[i] = token, lengths[i] + 1
-    assert [s for _, s, _ in graph_runner.compiled_steps()] == ["ready"]
+    assert [s for _, s, _ in graph_runner.compiled_steps()] == ["ready", "compiling"]
+    assert replayed == [BUCKET] * 8
 
 
 # ---------------------------------------------------------------------------------------
