@@ -14,10 +14,8 @@ the checkpoint moves on to the next tensor.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 from runtime.model_loader.quantization import (
     MXFP4_GROUP,
@@ -25,7 +23,7 @@ from runtime.model_loader.quantization import (
     dequant_mxfp4,
     dequantize_tensor,
 )
-from runtime.model_loader.safetensors_io import CheckpointError, CheckpointIndex, open_shard
+from runtime.model_loader.safetensors_io import CheckpointError, CheckpointIndex, walk_shards
 
 
 def _full(shape) -> tuple[tuple[int, int], ...]:
@@ -40,13 +38,10 @@ def _narrowed(window, shape, dim: int, start: int, length: int):
     return window[:dim] + ((lo + start, lo + start + length),) + window[dim + 1 :]
 
 
-class LazyTensor:
-    """A window of one stored tensor in an open safetensors file (`safe_open` handle)."""
+class _Window:
+    """A rectangular window (`[(start, end)]` per dim) of a tensor that is not read yet."""
 
-    def __init__(self, handle, name: str, shape, dtype: torch.dtype, window=None):
-        self.handle, self.name, self.dtype = handle, name, dtype
-        self.stored_shape = tuple(shape)
-        self.window = window if window is not None else _full(shape)
+    window: tuple[tuple[int, int], ...]
 
     @property
     def shape(self) -> torch.Size:
@@ -58,8 +53,19 @@ class LazyTensor:
     def numel(self) -> int:
         return self.shape.numel()
 
-    def narrow(self, dim: int, start: int, length: int) -> LazyTensor:
-        window = _narrowed(self.window, self.shape, dim, start, length)
+    def narrow(self, dim: int, start: int, length: int):
+        return self._with_window(_narrowed(self.window, self.shape, dim, start, length))
+
+
+class LazyTensor(_Window):
+    """A window of one stored tensor in an open safetensors file (`safe_open` handle)."""
+
+    def __init__(self, handle, name: str, shape, dtype: torch.dtype, window=None):
+        self.handle, self.name, self.dtype = handle, name, dtype
+        self.stored_shape = tuple(shape)
+        self.window = window if window is not None else _full(shape)
+
+    def _with_window(self, window) -> LazyTensor:
         return LazyTensor(self.handle, self.name, self.stored_shape, self.dtype, window)
 
     def materialize(self) -> torch.Tensor:
@@ -73,7 +79,7 @@ class LazyTensor:
             ) from e
 
 
-class LazyDequantized:
+class LazyDequantized(_Window):
     """A window of a quantized weight, dequantized to `dtype` when read.
 
     FP8 block (`[out, in]` float8 with `[ceil(out/b0), ceil(in/b1)]` scales) or MXFP4 (packed
@@ -111,18 +117,7 @@ class LazyDequantized:
         shape = tuple(self.weight.shape)
         return shape[:-1] + (2 * shape[-1],) if self.kind == "mxfp4" else shape
 
-    @property
-    def shape(self) -> torch.Size:
-        return torch.Size(end - start for start, end in self.window)
-
-    def dim(self) -> int:
-        return len(self.window)
-
-    def numel(self) -> int:
-        return self.shape.numel()
-
-    def narrow(self, dim: int, start: int, length: int) -> LazyDequantized:
-        window = _narrowed(self.window, self.shape, dim, start, length)
+    def _with_window(self, window) -> LazyDequantized:
         return LazyDequantized(self.weight, self.scale, self.block_size, self.dtype, window)
 
     def materialize(self) -> torch.Tensor:
@@ -171,17 +166,5 @@ def iterate_lazy(
 ) -> Iterator[tuple[str, LazyTensor]]:
     """`iterate_tensors`' order and checks, but yields `LazyTensor`s that read nothing until
     materialized; each is valid until the next one is yielded."""
-    wanted = index.names() if names is None else list(dict.fromkeys(names))
-    by_file: dict[Path, list[str]] = {f: [] for f in index.files}
-    for name in wanted:
-        by_file[index.file_of(name)].append(name)
-    bar = tqdm(total=len(wanted), desc=desc, unit="tensor", disable=None if progress else True)
-    with bar:
-        for file, file_names in by_file.items():
-            if not file_names:
-                continue
-            file_names.sort(key=lambda n: index.info(n).begin)
-            with open_shard(file) as handle:
-                for name in file_names:
-                    yield name, LazyTensor(handle, name, index.shape(name), index.dtype(name))
-                    bar.update(1)
+    for handle, _, name in walk_shards(index, names, progress, desc):
+        yield name, LazyTensor(handle, name, index.shape(name), index.dtype(name))

@@ -267,6 +267,19 @@ def iterate_tensors(
     `CheckpointError`. The tqdm bar counts tensors; it hides itself when `progress` is False
     or stderr is not a terminal.
     """
+    for handle, file, name in walk_shards(index, names, progress, desc):
+        yield name, _get(handle, file, name)
+
+
+def walk_shards(
+    index: CheckpointIndex,
+    names: Iterable[str] | None,
+    progress: bool,
+    desc: str,
+) -> Iterator[tuple[object, Path, str]]:
+    """`(open handle, file, name)` for `names` (default: all), one shard open at a time and
+    each shard's tensors in file order, so reads go forward through the file; a handle is
+    valid until the walk moves to the next shard."""
     wanted = index.names() if names is None else list(dict.fromkeys(names))
     by_file: dict[Path, list[str]] = {f: [] for f in index.files}
     for name in wanted:
@@ -277,9 +290,9 @@ def iterate_tensors(
             if not file_names:
                 continue
             file_names.sort(key=lambda n: index.info(n).begin)
-            with open_shard(file) as f:
+            with open_shard(file) as handle:
                 for name in file_names:
-                    yield name, _get(f, file, name)
+                    yield handle, file, name
                     bar.update(1)
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import pytest
 
 from runtime import Engine
+from runtime.core.forward_mode import ForwardMode
 from runtime.execution.graph_runner import GraphRunner
 from tests.engine.test_captured_steps import BUCKET, bucket_config
 from tests.engine.test_fault_isolation import BAD, poison, run
@@ -31,9 +32,9 @@ def ckpt(tmp_path_factory):
     return build_tiny_v4_mtp_checkpoint(tmp_path_factory.mktemp("captured_serving"), seed=3)[0]
 
 
-def capture(engine: Engine) -> dict[str, list[bool]]:
-    """Give the engine's runners captured steps; returns, per runner role, whether each of
-    its forwards that could replay a captured step did."""
+def capture(engine: Engine) -> dict[str, list[tuple[ForwardMode, bool]]]:
+    """Give the engine's runners captured steps; returns, per runner role, the mode of each
+    of its forwards that has a captured step and whether it replayed it."""
     runners = [engine.runner] + ([engine.worker.drafter.runner] if engine.spec_config else [])
     replays = {}
     for runner in runners:
@@ -43,7 +44,7 @@ def capture(engine: Engine) -> dict[str, list[bool]]:
         def try_forward(inp, graph_runner=graph_runner, real=graph_runner.try_forward, seen=seen):
             out = real(inp)
             if graph_runner.step_key(inp) is not None:
-                seen.append(out is not None)
+                seen.append((inp.forward_mode, out is not None))
             return out
 
         graph_runner.try_forward = try_forward
@@ -89,7 +90,7 @@ def test_prefix_cache_hits_feed_captured_decode_steps(ckpt, captured_plain):
     # the whole first turn but its newest token (in no cache yet); the shared 40 tokens
     # down to the last snapshot point (every 8) whose next token is still shared
     assert cached == [len(first) + GREEDY["max_new_tokens"] - 1, 32, 32]
-    assert replays and all(replays), "every decode step replays the captured bucket"
+    assert replays and all(replayed for _, replayed in replays)
     expected = eager_outputs(ckpt, [first] + second, GREEDY)
     assert [one["output_ids"]] + [o["output_ids"] for o in outs] == expected
 
@@ -114,7 +115,7 @@ def test_a_failing_captured_step_fails_only_its_culprit(ckpt, captured_plain):
     assert [r.output_ids for r in reqs] == eager_outputs(ckpt, innocent, GREEDY)
     assert fired[0] > 1 and fired[-1] == 1
     assert not engine.scheduler.isolation.active
-    assert replays and all(replays)
+    assert replays and all(replayed for _, replayed in replays)
 
 
 @pytest.mark.slow
@@ -148,5 +149,7 @@ def test_captured_nextn_under_retraction_equals_plain(ckpt):
     assert [r.finish_reason.type for r in reqs] == ["length"] * len(reqs)
     assert [r.output_ids for r in reqs] == eager_outputs(ckpt, prompts, params)
     assert engine.scheduler.num_retractions > 0 and any(mixed)
-    for role, seen in replays.items():
-        assert seen and all(seen), role
+    # the target's verify rounds, the draft's extend over them and its chained steps
+    assert {mode for mode, _ in replays["target"]} == {ForwardMode.TARGET_VERIFY}
+    assert {mode for mode, _ in replays["draft"]} == {ForwardMode.DRAFT_EXTEND, ForwardMode.DECODE}
+    assert all(replayed for seen in replays.values() for _, replayed in seen)

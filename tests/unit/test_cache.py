@@ -133,3 +133,46 @@ def test_uniform_metadata_numpy_equals_torch(rows_per_req):
         reference = uniform_metadata_torch(ctx, pool, lambda ratio, needed: needed + 3)
         for a, b in zip(tensors_of(fast), tensors_of(reference), strict=True):
             assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+def test_padding_request_scratch_page_and_snapshots_never_share_a_slot():
+    """The padding request that fills captured batches owns nothing: its table row lies past
+    the request slots, every one of its positions points into the scratch page (where the
+    positions past any request's reservation point too), which the allocator never hands
+    out and every pool holds; the prefix cache's snapshots are buffers of their own, so
+    saving and restoring a request's state leaves the padding rows alone."""
+    t = table(max_reqs=3, pages=8, page_size=4, context=40)
+    pad = t.req_pool.pad_req
+    assert t.req_to_token.shape[0] == pad + 1 == 4
+    assert torch.equal(t.req_to_token[pad], t.scratch_slots(torch.arange(40)))
+    assert (t.req_to_token[pad] // 4 == t.scratch_page).all() and t.scratch_page == 8
+    reqs = [t.open_request() for _ in range(3)]
+    assert sorted(reqs) == [0, 1, 2] and t.open_request() is None
+    assert all(t.reserve(r, 10) for r in reqs[:2]) and t.reserve(reqs[2], 8)
+    assert t.allocator.available_pages() == 0
+    owned = {p for r in reqs for p in t.pages(r)}
+    assert owned == set(range(8))  # every page handed out, the scratch page never
+    assert (t.req_to_token[reqs[2], 8:] // 4 == t.scratch_page).all()  # past its reservation
+    with pytest.raises(ValueError):
+        t.req_pool.free(pad)
+
+    layout = DeepseekV4CacheLayout((0, 4), head_dim=8, index_head_dim=4, sliding_window=8)
+    geometry = PoolGeometry(
+        max_reqs=3, num_pages=8, page_size=4, max_tokens_per_pass=4, dtype=torch.float32
+    )
+    pool = DeepseekV4KVPool(layout, geometry)
+    assert pool.swa_kv[0].shape[0] == 4 * pool.swa_ring  # 3 requests + the padding one
+    assert pool.compressed_kv[1].shape[0] == 9 * pool.compressed_rows_per_page(4)
+    scratch_loc = pool.compressed_loc(4, t.req_to_token[pad, :1])
+    assert pool.trash_row(4) == int(scratch_loc) == 8 * pool.compressed_rows_per_page(4)
+    pool.allocate_snapshots(2)
+    for buf in pool.request_state(pad):
+        buf.fill_(7.0)
+    for buf in pool.request_state(1):
+        buf.fill_(1.0)
+    pool.save_snapshot(1, slot=1)
+    for buf in pool.request_state(1):
+        buf.zero_()
+    pool.restore_snapshot(1, reqs[0])
+    assert all((buf == 1.0).all() for buf in pool.request_state(reqs[0]))
+    assert all((buf == 7.0).all() for buf in pool.request_state(pad))
