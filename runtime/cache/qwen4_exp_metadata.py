@@ -29,6 +29,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from runtime.cache.deepseek_v4_metadata import is_uniform
@@ -100,74 +101,105 @@ class Qwen4ExpUniformMetadata:
         ]
 
 
-def uniform_ring(
-    row_slot: torch.Tensor, positions: torch.Tensor, taps: int, dilation: int, ring: int
-) -> UniformRing:
-    """Ring addressing of `taps` taps `dilation` apart ending at each row's position."""
-    offsets = (torch.arange(taps, device=positions.device) - (taps - 1)) * dilation
-    tap_pos = positions.unsqueeze(1) + offsets
-    base = row_slot * ring
-    return UniformRing(
-        base + positions % ring,
-        base.unsqueeze(1) + tap_pos.clamp(min=0) % ring,
-        tap_pos >= 0,
-    )
-
-
 def blocks_needed(ctx: ForwardContext, ratio: int) -> int:
     """Blocks (a partial last one included) of the longest request at the end of the forward."""
     return max(1, -(-max(ctx.seq_lens_cpu, default=0) // ratio))
 
 
-def uniform_keys(ctx: ForwardContext, pool, blocks: BlockCount | None) -> UniformKeys:
+@dataclass
+class _Arrays:
+    """The index math's inputs as numpy arrays (CPU: a fraction of torch's per-op cost at
+    these sizes) or as tensors on the context's device, and how to make either a tensor.
+    Only operators both libraries spell alike are applied to them."""
+
+    slots: object  # [bs]
+    positions: object  # [N]
+    prefix: object  # [bs]
+    req_to_token: object
+    arange: Callable
+    tensor: Callable
+
+    @classmethod
+    def of(cls, ctx: ForwardContext, host: bool) -> _Arrays:
+        if host:
+            return cls(
+                ctx.req_pool_indices.numpy(),
+                ctx.positions.numpy(),
+                ctx.prefix_lens.numpy(),
+                ctx.req_to_token.numpy(),
+                np.arange,
+                lambda a: torch.from_numpy(np.ascontiguousarray(a)),
+            )
+        device = ctx.device
+        return cls(
+            ctx.req_pool_indices,
+            ctx.positions,
+            ctx.prefix_lens,
+            ctx.req_to_token,
+            lambda n: torch.arange(n, device=device),
+            lambda t: t.contiguous(),
+        )
+
+
+def uniform_ring(x: _Arrays, row_slot, taps: int, dilation: int, ring: int) -> UniformRing:
+    """Ring addressing of `taps` taps `dilation` apart ending at each row's position."""
+    tap_pos = x.positions[:, None] + (x.arange(taps) - (taps - 1)) * dilation
+    base = row_slot * ring
+    return UniformRing(
+        x.tensor(base + x.positions % ring),
+        x.tensor(base[:, None] + tap_pos.clip(min=0) % ring),
+        x.tensor(tap_pos >= 0),
+    )
+
+
+def uniform_keys(ctx: ForwardContext, x: _Arrays, pool, blocks: BlockCount | None) -> UniformKeys:
     ratio = pool.layout.qsa_ratio
     count = blocks_needed(ctx, ratio)
     if blocks is not None:
         count = blocks(ratio, count)
     count = min(count, pool.max_blocks)  # every position a request may reach is covered
-    device = ctx.device
-    key_pos = torch.arange(count * ratio, device=device).view(count, ratio)
-    in_table = key_pos.flatten().clamp(max=ctx.req_to_token.shape[1] - 1)
-    key_slots = ctx.req_to_token[ctx.req_pool_indices.unsqueeze(1), in_table]
-    row_pos = ctx.positions.view(-1, 1, 1)
-    key_visible = key_pos <= row_pos
-    num_blocks = (ctx.positions + 1) // ratio
+    key_pos = x.arange(count * ratio).reshape(count, ratio)
+    in_table = key_pos.reshape(-1).clip(max=ctx.req_to_token.shape[1] - 1)
+    key_slots = x.req_to_token[x.slots[:, None], in_table].reshape(ctx.batch_size, count, ratio)
+    key_visible = key_pos <= x.positions[:, None, None]
+    num_blocks = (x.positions + 1) // ratio
     tail_start = num_blocks * ratio
     return UniformKeys(
-        key_slots=key_slots.view(ctx.batch_size, count, ratio),
-        key_pos=key_pos,
-        key_visible=key_visible,
-        tail_keys=key_visible & (key_pos >= tail_start.view(-1, 1, 1)),
-        block_start=key_pos[:, 0].contiguous(),
-        block_visible=torch.arange(count, device=device) < num_blocks.unsqueeze(1),
-        num_blocks=num_blocks,
-        tail_start=tail_start,
+        key_slots=x.tensor(key_slots),
+        key_pos=x.tensor(key_pos),
+        key_visible=x.tensor(key_visible),
+        tail_keys=x.tensor(key_visible & (key_pos >= tail_start[:, None, None])),
+        block_start=x.tensor(key_pos[:, 0]),
+        block_visible=x.tensor(x.arange(count) < num_blocks[:, None]),
+        num_blocks=x.tensor(num_blocks),
+        tail_start=x.tensor(tail_start),
     )
 
 
 def uniform_metadata(
-    ctx: ForwardContext, pool, blocks: BlockCount | None = None
+    ctx: ForwardContext, pool, blocks: BlockCount | None = None, host: bool | None = None
 ) -> Qwen4ExpUniformMetadata:
     """`blocks(ratio, needed)`: the block count `B` to lay out for a batch whose longest
-    request spans `needed` blocks (default: exactly those)."""
+    request spans `needed` blocks (default: exactly those). `host`: build the indices in
+    numpy (default on the CPU) rather than in torch on the context's device."""
     layout = pool.layout
+    x = _Arrays.of(ctx, ctx.device.type == "cpu" if host is None else host)
     q = ctx.extend_lens_cpu[0]
-    row_slot = ctx.req_pool_indices.repeat_interleave(q)
-    positions = ctx.positions
+    row_slot = x.slots[x.arange(ctx.num_tokens) // q]
     conv = tokens = ple_conv = None
     if pool.conv_state:
-        conv = uniform_ring(row_slot, positions, layout.conv_kernel, 1, pool.conv_ring)
+        conv = uniform_ring(x, row_slot, layout.conv_kernel, 1, pool.conv_ring)
     if pool.ple_tokens:
-        tokens = uniform_ring(row_slot, positions, layout.ngram_size, 1, pool.token_ring)
+        tokens = uniform_ring(x, row_slot, layout.ngram_size, 1, pool.token_ring)
         ple_conv = uniform_ring(
-            row_slot, positions, layout.ple_conv_kernel, layout.ngram_size, pool.ple_conv_ring
+            x, row_slot, layout.ple_conv_kernel, layout.ngram_size, pool.ple_conv_ring
         )
     return Qwen4ExpUniformMetadata(
         rows_per_req=q,
-        positions=positions,
-        keys=uniform_keys(ctx, pool, blocks) if pool.k_cache else None,
+        positions=ctx.positions,
+        keys=uniform_keys(ctx, x, pool, blocks) if pool.k_cache else None,
         conv=conv,
-        state_kept=ctx.prefix_lens > 0,
+        state_kept=x.tensor(x.prefix > 0),
         ple_tokens=tokens,
         ple_conv=ple_conv,
     )

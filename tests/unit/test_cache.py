@@ -11,6 +11,24 @@ import torch
 from runtime.cache import PagedTokenAllocator, ReqToTokenPool, SlotTable
 from runtime.cache.deepseek_v4_pool import DeepseekV4CacheLayout, DeepseekV4KVPool
 from runtime.cache.pool_geometry import PoolGeometry
+from runtime.cache.qwen4_exp_pool import Qwen4ExpCacheLayout
+
+QWEN_LAYOUT = Qwen4ExpCacheLayout(
+    layer_kinds=("linear", "attention"),
+    ple_layers=(0,),
+    num_kv_heads=1,
+    head_dim=8,
+    index_head_dim=4,
+    conv_dim=6,
+    conv_kernel=4,
+    num_v_heads=2,
+    head_k_dim=4,
+    head_v_dim=4,
+    hc_width=8,
+    ple_conv_span=9,
+    ngram_size=3,
+    qsa_ratio=4,
+)
 
 
 def table(max_reqs=4, pages=10, page_size=4, context=64):
@@ -184,26 +202,11 @@ def test_qwen4_exp_padding_rows_address_only_the_padding_request_and_the_scratch
     rows, its recurrent state row) is the padding request's or in the scratch page; and
     snapshot save/restore of a request's state leaves the padding rows alone."""
     from runtime.cache.qwen4_exp_metadata import Qwen4ExpUniformMetadata
-    from runtime.cache.qwen4_exp_pool import Qwen4ExpCacheLayout, Qwen4ExpKVPool
+    from runtime.cache.qwen4_exp_pool import Qwen4ExpKVPool
     from runtime.core.forward_context import ForwardContext
     from runtime.core.forward_mode import ForwardMode
 
-    layout = Qwen4ExpCacheLayout(
-        layer_kinds=("linear", "attention"),
-        ple_layers=(0,),
-        num_kv_heads=1,
-        head_dim=8,
-        index_head_dim=4,
-        conv_dim=6,
-        conv_kernel=4,
-        num_v_heads=2,
-        head_k_dim=4,
-        head_v_dim=4,
-        hc_width=8,
-        ple_conv_span=9,
-        ngram_size=3,
-        qsa_ratio=4,
-    )
+    layout = QWEN_LAYOUT
     t = table(max_reqs=3, pages=24, page_size=4, context=48)
     geometry = PoolGeometry(
         max_reqs=3,
@@ -254,3 +257,43 @@ def test_qwen4_exp_padding_rows_address_only_the_padding_request_and_the_scratch
     pool.restore_snapshot(0, reqs[0])
     assert all((buf == 1).all() for buf in pool.request_state(reqs[0]))
     assert all((buf == 7).all() for buf in pool.request_state(pad))
+
+
+@pytest.mark.parametrize("rows_per_req", [1, 4])
+def test_qwen4_exp_uniform_metadata_numpy_equals_torch(rows_per_req):
+    """The CPU fast path of the fixed-shape Qwen4Exp metadata (numpy) builds the same tensors
+    as the torch statement used on other devices, padding request included."""
+    from runtime.cache.qwen4_exp_metadata import uniform_metadata
+    from runtime.cache.qwen4_exp_pool import Qwen4ExpKVPool
+    from runtime.core.forward_context import ForwardContext
+    from runtime.core.forward_mode import ForwardMode
+    from runtime.execution.graph_runner import tensors_of
+
+    t = table(max_reqs=3, pages=48, page_size=4, context=64)
+    geometry = PoolGeometry(
+        max_reqs=3,
+        num_pages=48,
+        page_size=4,
+        max_tokens_per_pass=4,
+        dtype=torch.float32,
+        max_context=64,
+    )
+    pool = Qwen4ExpKVPool(QWEN_LAYOUT, geometry)
+    reqs = [t.open_request() for _ in range(3)]
+    for r in reqs:
+        assert t.reserve(r, 60)
+    for mode in (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY):
+        ctx = ForwardContext.build(
+            mode,
+            reqs + [t.req_pool.pad_req],
+            [0, 17, 50, 0],
+            [rows_per_req] * 4,
+            None,
+            t.req_to_token,
+            pool,
+        )
+        blocks = lambda ratio, needed: needed + 3  # noqa: E731
+        fast = uniform_metadata(ctx, pool, blocks, host=True)
+        reference = uniform_metadata(ctx, pool, blocks, host=False)
+        for a, b in zip(tensors_of(fast), tensors_of(reference), strict=True):
+            assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
