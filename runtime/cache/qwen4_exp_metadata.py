@@ -67,10 +67,6 @@ class UniformKeys:
     num_blocks: torch.Tensor  # [N] (p + 1) // ratio: the blocks QSA's top-k runs over
     tail_start: torch.Tensor  # [N] first position of the row's incomplete block
 
-    @property
-    def num_blocks_laid_out(self) -> int:
-        return self.block_start.shape[0]
-
 
 @dataclass
 class Qwen4ExpUniformMetadata:
