@@ -15,6 +15,11 @@ Under tensor parallelism the key and value heads split over `tp` (vLLM's
 the decay vectors, its heads' recurrent states, and `out_proj` reduces.
 A TARGET_VERIFY pass leaves the state alone and records the state after every verify row
 instead; `commit_verified` later keeps the one matching the accepted length.
+
+The addressing comes prepared with the forward (`runtime.cache.qwen4_exp_metadata`): uniform
+rows (decode, verify) are `[bs, q]` as they stand, their conv inputs written into the ring
+before every tap is read from it, so a captured step has fixed shapes; prefill chunks pad
+each request's rows to the longest.
 """
 
 from __future__ import annotations
