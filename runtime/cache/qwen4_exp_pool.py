@@ -10,6 +10,12 @@
   (`remember_selection` / `recall_selection`), for its later chained steps.
 
 Everything else is keyed by position, so rejected speculative positions are just rewritten.
+`prepare` builds each forward's addressing before it runs (`qwen4_exp_metadata`): fixed
+shapes for decode, verify and draft steps, which graphs capture.
+
+Every buffer also holds the padding request's rows and the scratch page's token slots
+(`PoolGeometry.req_slots`, `cache_pages`): rows that pad a captured batch read and write
+only there.
 """
 
 from __future__ import annotations
@@ -19,7 +25,9 @@ from dataclasses import dataclass
 import torch
 
 from runtime.cache.pool_geometry import PoolGeometry
+from runtime.cache.qwen4_exp_metadata import BlockCount, prepare_metadata
 from runtime.cache.state_snapshots import RequestStateSnapshots
+from runtime.core.forward_context import ForwardContext
 
 
 @dataclass(frozen=True)
@@ -39,6 +47,11 @@ class Qwen4ExpCacheLayout:
     ngram_size: int
     qsa_ratio: int
 
+    @property
+    def ple_conv_kernel(self) -> int:
+        """Taps of PLE's dilated conv (`ngram_size` apart)."""
+        return self.ple_conv_span // max(self.ngram_size, 1) + 1
+
 
 class Qwen4ExpKVPool(RequestStateSnapshots):
     def __init__(
@@ -50,8 +63,8 @@ class Qwen4ExpKVPool(RequestStateSnapshots):
         dtype, device = geometry.dtype, geometry.device
         max_tokens_per_pass = geometry.max_tokens_per_pass
         self.layout, self.dtype, self.device = layout, dtype, device
-        self.max_reqs = geometry.max_reqs
-        max_reqs = geometry.req_slots  # per-request rows, the padding request included
+        self.max_reqs, self.max_pass = geometry.max_reqs, max_tokens_per_pass
+        self.req_slots = max_reqs = geometry.req_slots  # the padding request's rows included
         self.reuses_qsa_selection = reuses_qsa_selection
         self.page_size = geometry.page_size
         slots = geometry.cache_pages * geometry.page_size  # the scratch page included
@@ -84,9 +97,9 @@ class Qwen4ExpKVPool(RequestStateSnapshots):
             i: zeros(max_reqs * self.ple_conv_ring, layout.hc_width) for i in layout.ple_layers
         }
         # every position a pass can touch, a partial last block included
-        max_blocks = max(1, -(-geometry.max_context // max(layout.qsa_ratio, 1)))
+        self.max_blocks = max(1, -(-geometry.max_context // max(layout.qsa_ratio, 1)))
         self.qsa_blocks = (
-            {i: zeros(max_reqs, max_blocks, dt=torch.bool) for i in self.k_cache}
+            {i: zeros(max_reqs, self.max_blocks, dt=torch.bool) for i in self.k_cache}
             if reuses_qsa_selection
             else {}
         )
@@ -96,12 +109,13 @@ class Qwen4ExpKVPool(RequestStateSnapshots):
             else {}
         )
 
-    capturable = False  # its layers still build data-dependent addressing in the forward
+    # per-forward metadata -----------------------------------------------------------------
+    capturable = True  # uniform batches have fixed-shape metadata (`prepare`)
 
-    def prepare(self, ctx, entries=None) -> None:
-        """No shared metadata yet: Qwen4Exp layers build their addressing on first use
-        (`ctx.memo`); docs/captured_decode.md describes the prepared form."""
-        return None
+    def prepare(self, ctx: ForwardContext, blocks: BlockCount | None = None):
+        """The addressing every layer of this forward reads (`qwen4_exp_metadata`);
+        `blocks(ratio, needed)` pads the key block count of a uniform batch."""
+        return prepare_metadata(ctx, self, blocks)
 
     # speculative decoding -----------------------------------------------------------------
     def commit_verified(self, req_pool_indices: torch.Tensor, num_accepted: torch.Tensor) -> None:
@@ -152,27 +166,25 @@ class Qwen4ExpKVPool(RequestStateSnapshots):
         base = torch.tensor(pages, dtype=torch.long, device=self.device) * self.page_size
         return (base.unsqueeze(1) + torch.arange(self.page_size, device=self.device)).flatten()
 
-    def remember_selection(self, layer: int, ctx, keys, selected: torch.Tensor | None) -> None:
-        """Store, per request, the blocks chosen at its logits row (the draft's first step)."""
+    def remember_selection(
+        self, layer: int, ctx: ForwardContext, selected: torch.Tensor, tail_start: torch.Tensor
+    ) -> None:
+        """Store, per request, the blocks chosen at its logits row (the draft's first step):
+        `selected [T, B]` in the request's block numbering, `tail_start [T]`. Columns past
+        `B` keep older values; they lie past the tail, which recall keeps whole anyway."""
         rows = ctx.logits_row_indices
         slots = ctx.req_pool_indices[ctx.token_to_req[rows]]
-        blocks = self.qsa_blocks[layer]
-        blocks[slots] = False
-        if selected is None:  # dense: everything from position 0 counts as "tail"
-            self.qsa_tail[layer][slots] = 0
-            return
-        ratio = self.layout.qsa_ratio
-        chosen_rows, chosen_blocks = selected[rows].nonzero(as_tuple=True)
-        blocks[slots[chosen_rows], keys.block_start[chosen_blocks] // ratio] = True
-        self.qsa_tail[layer][slots] = keys.tail_start[rows]
+        self.qsa_blocks[layer][slots, : selected.shape[1]] = selected[rows]
+        self.qsa_tail[layer][slots] = tail_start[rows]
 
-    def recall_selection(self, layer: int, ctx, keys) -> torch.Tensor:
-        """Token mask `[T, L]` from the remembered blocks: chosen blocks, and every position
-        from the first step's tail on (which includes the new draft positions)."""
-        slot_of_key = ctx.req_pool_indices[keys.key_req]
-        in_block = self.qsa_blocks[layer][slot_of_key, keys.positions // self.layout.qsa_ratio]
-        after_tail = keys.positions >= self.qsa_tail[layer][slot_of_key]
-        return (in_block | after_tail).unsqueeze(0).expand(ctx.num_tokens, -1)
+    def recall_selection(self, layer: int, ctx: ForwardContext, key_pos: torch.Tensor):
+        """Key mask `[bs, B, ratio]` of each request's keys laid out by position
+        (`key_pos [B, ratio]`): the remembered blocks, and every position from the first
+        step's tail on (which includes the new draft positions)."""
+        slots = ctx.req_pool_indices
+        blocks = self.qsa_blocks[layer][slots, : key_pos.shape[0]]
+        after_tail = key_pos >= self.qsa_tail[layer][slots].view(-1, 1, 1)
+        return blocks.unsqueeze(-1) | after_tail
 
     # reporting ----------------------------------------------------------------------------
     def _buffers(self):

@@ -5,22 +5,20 @@ The scheduler (or the speculative worker) decides *which* tokens run; the `Model
 turns that into a `ForwardContext` once per forward. Models read the batch layout and
 cache accessors from it and nothing else: no weights, no scheduler objects. Attention
 metadata that every layer shares (slot mappings, gather indices) is prepared by the runner
-before the forward (`attn_metadata`, from the cache pool's `prepare`); `memo` remains for
-layers that still build theirs on first use.
+before the forward (`attn_metadata`, from the cache pool's `prepare`); no layer builds its
+own addressing inside the forward.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 
 from runtime.core.forward_mode import CaptureHiddenMode, ForwardMode
-
-T = TypeVar("T")
 
 
 @dataclass
@@ -41,7 +39,6 @@ class ForwardContext:
     capture_hidden_mode: CaptureHiddenMode = CaptureHiddenMode.NULL
     logits_row_indices: torch.Tensor | None = None  # [R] rows to compute logits for; None = all
     attn_metadata: Any = None  # the pool's per-forward addressing, prepared before the forward
-    memos: dict[str, Any] = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:
@@ -58,12 +55,6 @@ class ForwardContext:
     @property
     def device(self) -> torch.device:
         return self.positions.device
-
-    def memo(self, key: str, build: Callable[[], T]) -> T:
-        """Build a per-forward value once and hand the same object to every later caller."""
-        if key not in self.memos:
-            self.memos[key] = build()
-        return self.memos[key]
 
     @classmethod
     def build(

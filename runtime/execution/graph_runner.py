@@ -9,10 +9,11 @@ is kept per step kind and batch bucket (SGLang's `CudaGraphRunner` / `CPUGraphRu
 1. the live batch is padded up to the smallest bucket that holds it with copies of the
    padding request (its rows read and write only the caches' padding rows);
 2. the pool prepares the batch's metadata (gather indices, masks) at the bucket's shapes,
-   the compressed-entry count rounded up (`ENTRY_MULTIPLE`, or the context maximum for
-   CUDA graphs, whose shapes cannot change);
+   the count of what grows with the context (DeepSeek-V4's compressed entries, Qwen4Exp's
+   key blocks) rounded up (`ENTRY_MULTIPLE`, or the context maximum for CUDA graphs, whose
+   shapes cannot change);
 3. the captured step runs: on CPU a `torch.compile` (inductor) graph of the model forward,
-   the entry count marked dynamic so a growing context does not recompile; on CUDA a
+   that count marked dynamic so a growing context does not recompile; on CUDA a
    `torch.cuda.CUDAGraph` replay after copying the inputs into its static buffers
    (optionally compiled first, `--enable-torch-compile`);
 4. logits and hidden states are sliced back to the live rows.
@@ -223,7 +224,8 @@ class GraphRunner:
         return ctx, ids, hidden
 
     def _entries(self, ratio: int, needed: int) -> int:
-        """Compressed entries laid out for a captured step (see the module docstring)."""
+        """Compressed entries (key blocks) laid out for a captured step (see the module
+        docstring)."""
         if self.cuda:
             return max(2, -(-self.max_context // ratio))
         return max(ENTRY_MULTIPLE, -(-needed // ENTRY_MULTIPLE) * ENTRY_MULTIPLE)
@@ -405,7 +407,8 @@ def logits_rows_of(inp, rows_per_req: int) -> list[int] | None:
 
 
 def mark_dynamic_dims(ctx: ForwardContext) -> None:
-    """The dims that grow with the context (compressed entries) stay symbolic in the graph."""
+    """The dims that grow with the context (compressed entries, key blocks) stay symbolic in
+    the graph."""
     for tensor, dim in getattr(ctx.attn_metadata, "dynamic_dims", list)():
         torch._dynamo.mark_dynamic(tensor, dim)
 

@@ -1,15 +1,18 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Top-k of the DeepSeek-V4 lightning indexer, with exact ties broken as transformers does.
+"""Top-k of the DeepSeek-V4 lightning indexer and of Qwen4Exp's QSA block selection, with
+exact ties broken as transformers does.
 
 `scores [N, C]` (entries a row may not see already `-inf`), `visible [N]` how many leading
 entries each row sees, `lengths [N]` how many entries the reference's `topk` runs over for
 that row. transformers' `DeepseekV4Indexer` calls `index_scores.topk(min(k, T))` on the `T`
 compressed entries of its cache: `T = (p + 1) // ratio` for a decoded token, `T = S // ratio`
-for every row of an `S`-token prefill (later entries masked to `-inf`). Relu zeroes whole
-scores, so exact ties are common, and which of several tied entries `topk` keeps depends on
-the length of the tensor it runs over; a row's choice here depends only on its own
-`lengths` entry, never on the batch around it or on padding (speculative verify, batched
-unlike plain decode, relies on that).
+for every row of an `S`-token prefill (later entries masked to `-inf`); its
+`Qwen4ExpTextQSAIndexer` runs `topk` over the `(p + 1) // ratio` blocks a row sees, in
+prefill and decode alike (`lengths = visible`). Relu zeroes whole scores, so exact ties are
+common, and which of several tied entries `topk` keeps depends on the length of the tensor
+it runs over; a row's choice here depends only on its own `lengths` entry, never on the
+batch around it or on padding (speculative verify, batched unlike plain decode, relies on
+that).
 
 Where no tie straddles the k-th place every tie rule keeps the same set, and one fixed-size
 `topk` over the padded row decides. Rows with such a tie go through `topk` over exactly

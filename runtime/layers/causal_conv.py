@@ -3,29 +3,18 @@
 
 Output at position p: `sum_j w[:, j] * x[p - (K - 1 - j) * dilation]`, reading inputs of
 earlier forwards from the request's ring and this forward's from the fresh rows; positions
-before 0 are zero (a fresh conv state).
+before 0 are zero (a fresh conv state). The addressing comes prepared with the forward's
+metadata (`runtime.cache.qwen4_exp_metadata`): ragged rows read `[ring | fresh rows]`,
+uniform rows write theirs into the ring first and read every tap from it.
 """
 
 from __future__ import annotations
 
 import torch
 
-from runtime.cache.ring_access import RingAccess, ring_access
-from runtime.core.forward_context import ForwardContext
+from runtime.cache.qwen4_exp_metadata import UniformRing
+from runtime.cache.ring_access import RingAccess
 from runtime.layers.position_ring import gather_ring
-
-
-def conv_window_access(
-    ctx: ForwardContext, kernel: int, dilation: int, ring: int, num_ring_rows: int, key: str
-) -> RingAccess:
-    """Ring reads of every row's `kernel` taps, built once per forward for all layers alike."""
-
-    def build() -> RingAccess:
-        offsets = (torch.arange(kernel, device=ctx.device) - (kernel - 1)) * dilation
-        rows = torch.arange(ctx.num_tokens, device=ctx.device)
-        return ring_access(ctx, rows, ctx.positions.unsqueeze(1) + offsets, ring, num_ring_rows)
-
-    return ctx.memo(key, build)
 
 
 def causal_conv(
@@ -37,3 +26,12 @@ def causal_conv(
     out = (window.to(weight.dtype) * weight.t().unsqueeze(0)).sum(1)
     ring_buf[access.write_loc] = x[access.write_rows].to(ring_buf.dtype)
     return out
+
+
+def causal_conv_uniform(
+    x: torch.Tensor, weight: torch.Tensor, ring_buf: torch.Tensor, ring: UniformRing
+) -> torch.Tensor:
+    """The same on uniform rows: write the ring, then read every tap from it."""
+    ring_buf[ring.write] = x.to(ring_buf.dtype)
+    window = ring_buf[ring.read].masked_fill(~ring.valid.unsqueeze(-1), 0)  # [T, K, C]
+    return (window.to(weight.dtype) * weight.t().unsqueeze(0)).sum(1)

@@ -22,8 +22,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from runtime.cache.qwen4_exp_metadata import Qwen4ExpUniformMetadata
 from runtime.core.forward_context import ForwardContext
-from runtime.layers.causal_conv import causal_conv, conv_window_access
+from runtime.layers.causal_conv import causal_conv, causal_conv_uniform
 from runtime.layers.linear import MergedColumnParallelLinear
 from runtime.layers.norm import OffsetRMSNorm
 from runtime.layers.position_ring import gather_ring
@@ -140,17 +141,21 @@ class PLELayer(nn.Module):
     def token_history(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """`[T, ngram_size]`: each row's token and its predecessors (EOS before position 0 and
         across an EOS boundary), from this forward's rows and the token ring."""
-        pool, eos = ctx.kv_pool, self.ple_embedding.eos_token_id
+        pool, eos, meta = ctx.kv_pool, self.ple_embedding.eos_token_id, ctx.attn_metadata
         ring_buf = pool.ple_tokens[self.cache_layer]
         span = self.ple_embedding.ngram_size
-        access = conv_window_access(ctx, span, 1, pool.token_ring, ring_buf.shape[0], "ple.tokens")
-        history = gather_ring(
-            ring_buf.unsqueeze(1), input_ids.unsqueeze(1), access.read_idx
-        ).squeeze(-1)
-        history = history.masked_fill(~access.read_valid, eos).flip(
-            1
-        )  # (t_p, t_{p-1}, t_{p-2}, ...)
-        ring_buf[access.write_loc] = input_ids[access.write_rows]
+        if isinstance(meta, Qwen4ExpUniformMetadata):  # write first, then read the ring
+            ring = meta.ple_tokens
+            ring_buf[ring.write] = input_ids
+            history, valid = ring_buf[ring.read], ring.valid
+        else:
+            access = meta.ple_tokens
+            history = gather_ring(
+                ring_buf.unsqueeze(1), input_ids.unsqueeze(1), access.read_idx
+            ).squeeze(-1)
+            valid = access.read_valid
+            ring_buf[access.write_loc] = input_ids[access.write_rows]
+        history = history.masked_fill(~valid, eos).flip(1)  # (t_p, t_{p-1}, t_{p-2}, ...)
         for shift in range(2, span):  # older tokens do not reach across an EOS
             history[:, shift] = torch.where(
                 (history[:, 1:shift] == eos).any(1), eos, history[:, shift]
@@ -169,19 +174,12 @@ class PLELayer(nn.Module):
         gate = (key * query).sum(-1, keepdim=True) / math.sqrt(hidden)
         gate = gate.abs().clamp_min(1e-6).sqrt() * gate.sign()
         gated = (torch.sigmoid(gate) * value.unsqueeze(-2)).flatten(-2)
-        pool = ctx.kv_pool
-        access = conv_window_access(
-            ctx,
-            self.kernel,
-            self.dilation,
-            pool.ple_conv_ring,
-            pool.ple_conv[self.cache_layer].shape[0],
-            "ple.conv",
-        )
-        conv = causal_conv(
+        meta = ctx.attn_metadata
+        conv = causal_conv_uniform if isinstance(meta, Qwen4ExpUniformMetadata) else causal_conv
+        conv = conv(
             self.norm_conv(gated),
             self.conv1d.weight.squeeze(1),
-            pool.ple_conv[self.cache_layer],
-            access,
+            ctx.kv_pool.ple_conv[self.cache_layer],
+            meta.ple_conv,
         )
         return gated + F.silu(conv)

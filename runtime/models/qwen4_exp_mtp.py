@@ -139,6 +139,15 @@ class Qwen4ExpMTP(DraftModel):
     def build_model(self, config, mapping: Mapping) -> Qwen4ExpMultiTokenPredictor:
         return Qwen4ExpMultiTokenPredictor(config, mapping)
 
+    def canonical_spec_step(self, spec_step_idx: int) -> int:
+        """The smallest step index that runs the same forward (captured steps share it): the
+        step's layer (`spec_step_idx % layers`) and whether it selects QSA blocks (step 0)
+        or reuses them (later steps)."""
+        layers = self.model.num_layers
+        if spec_step_idx < layers:
+            return spec_step_idx
+        return layers + spec_step_idx % layers
+
     @classmethod
     def cache_layout(cls, config, mapping: Mapping | None = None) -> Qwen4ExpCacheLayout:
         kinds = ("attention",) * num_mtp_layers(config)

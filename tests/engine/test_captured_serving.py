@@ -8,8 +8,9 @@ restores ring snapshots and borrows pages that captured decode steps then addres
 their prepared metadata; a step that raises after its captured forward wrote the whole
 padded batch is bisected down to its culprit; NEXTN rounds (captured verify and draft steps)
 share steps with prefill chunks while a small pool keeps retracting requests. The plain
-engine is built and compiled once for the module; the NEXTN test compiles three more steps
-and is `slow`.
+engine is built and compiled once per model family; the NEXTN test compiles three more
+steps and is `slow`, and so is every Qwen4Exp scenario (whose snapshots also carry the
+Gated DeltaNet recurrent state and PLE rings the captured steps resume from).
 """
 
 from __future__ import annotations
@@ -22,14 +23,21 @@ from runtime.execution.graph_runner import GraphRunner
 from tests.engine.test_captured_steps import BUCKET, bucket_config
 from tests.engine.test_fault_isolation import BAD, poison, run
 from tests.engine.test_nextn import make_prompts
-from tests.tiny_checkpoints import build_tiny_v4_mtp_checkpoint
+from tests.tiny_checkpoints import build_tiny_qwen4_exp_mtp_checkpoint, build_tiny_v4_mtp_checkpoint
 
 GREEDY = {"temperature": 0, "max_new_tokens": 20, "ignore_eos": True}
 
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return build_tiny_v4_mtp_checkpoint(tmp_path_factory.mktemp("captured_serving"), seed=3)[0]
+@pytest.fixture(
+    scope="module", params=["deepseek_v4", pytest.param("qwen4_exp", marks=pytest.mark.slow)]
+)
+def ckpt(request, tmp_path_factory):
+    build = (
+        build_tiny_v4_mtp_checkpoint
+        if request.param == "deepseek_v4"
+        else build_tiny_qwen4_exp_mtp_checkpoint
+    )
+    return build(tmp_path_factory.mktemp(f"captured_serving_{request.param}"), seed=3)[0]
 
 
 def capture(engine: Engine) -> dict[str, list[tuple[ForwardMode, bool]]]:

@@ -23,6 +23,7 @@ from runtime.execution.graph_runner import GraphRunner, StepState
 from runtime.execution.model_runner import ModelInput, ModelRunner
 from runtime.model_loader.build import load_model
 from runtime.models.registry import model_classes
+from tests.engine.test_engine import hf_greedy
 from tests.tiny_checkpoints import (
     build_tiny_qwen4_exp_mtp_checkpoint,
     build_tiny_v4_mtp_checkpoint,
@@ -151,32 +152,23 @@ def nextn_step_inputs(table, target, drafter, steps=3):
 
 @pytest.fixture(scope="module")
 def v4_mtp(tmp_path_factory):
-    return build_tiny_v4_mtp_checkpoint(tmp_path_factory.mktemp("capture_v4"), seed=7)[0]
+    """(checkpoint dir, transformers target model) of a DeepSeek-V4 with an MTP layer."""
+    return build_tiny_v4_mtp_checkpoint(tmp_path_factory.mktemp("capture_v4"), seed=7)[:2]
 
 
 @pytest.fixture(scope="module")
 def qwen_mtp(tmp_path_factory):
-    return build_tiny_qwen4_exp_mtp_checkpoint(tmp_path_factory.mktemp("capture_qwen"), seed=9)[0]
+    """(checkpoint dir, transformers target model) of a Qwen4Exp with an MTP layer."""
+    return build_tiny_qwen4_exp_mtp_checkpoint(tmp_path_factory.mktemp("capture_qwen"), seed=9)[:2]
 
 
-@pytest.mark.parametrize(
-    "family",
-    [
-        "deepseek_v4",
-        pytest.param(
-            "qwen4_exp",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="Qwen4Exp layers still build data-dependent addressing inside the "
-                "forward (docs/captured_decode.md); drop this mark when they read prepared "
-                "metadata",
-            ),
-        ),
-    ],
-)
+def checkpoint_of(family: str, request):
+    return request.getfixturevalue("v4_mtp" if family == "deepseek_v4" else "qwen_mtp")
+
+
+@pytest.mark.parametrize("family", ["deepseek_v4", "qwen4_exp"])
 def test_decode_verify_and_draft_steps_trace_to_one_graph(family, request):
-    path = request.getfixturevalue("v4_mtp" if family == "deepseek_v4" else "qwen_mtp")
-    table, target, drafter = make_runners(path)
+    table, target, drafter = make_runners(checkpoint_of(family, request)[0])
     target_steps, draft_steps = nextn_step_inputs(table, target, drafter)
     for inp in target_steps.values():
         assert_one_graph(target, inp)
@@ -188,12 +180,27 @@ def test_decode_verify_and_draft_steps_trace_to_one_graph(family, request):
 # captured == eager
 
 
-def test_captured_decode_matches_eager_logits_with_padding_and_churn(tiny_v4):
+def state_rewind(pool):
+    """Running a step twice on the same caches rewrites the same position-keyed rows, but
+    advances a recurrent state (Qwen4Exp's Gated DeltaNet) twice: returns a function that
+    puts the recurrent states back as they are now."""
+    saved = [(buf, buf.clone()) for buf in getattr(pool, "ssm_state", {}).values()]
+
+    def rewind():
+        for buf, copy in saved:
+            buf.copy_(copy)
+
+    return rewind
+
+
+@pytest.mark.parametrize("family", ["deepseek_v4", "qwen4_exp"])
+def test_captured_decode_matches_eager_logits_with_padding_and_churn(family, request):
     """Decode steps of 1 to 4 live requests in bucket 4 (requests join and leave between
-    steps, contexts grow past one padded entry count of the compressed layers; one live
-    request pads into bucket 4 while its own bucket 1 is compiling): each captured step's
-    logits equal the eager step's on the same caches."""
-    path, _ = tiny_v4
+    steps, contexts grow past one padded entry count of the compressed layers, or of the
+    key blocks with QSA's selection active; one live request pads into bucket 4 while its own
+    bucket 1 is compiling): each captured step's logits equal the eager step's on the same
+    caches."""
+    path = request.getfixturevalue("tiny_v4" if family == "deepseek_v4" else "qwen_mtp")[0]
     config = bucket_config(batch_sizes=(1, BUCKET))
     table, runner, _ = make_runners(path, capture=config, draft=False)
     graph_runner = runner.graph_runner
@@ -220,8 +227,10 @@ def test_captured_decode_matches_eager_logits_with_padding_and_churn(tiny_v4):
         )
         if len(order) == 1:  # bucket 1 still compiling: the step pads into bucket 4
             graph_runner._step(graph_runner.step_key(inp), None).state = StepState.COMPILING
+        rewind = state_rewind(runner.kv_pool)
         runner.graph_runner = None
         eager = runner.forward(inp).next_token_logits
+        rewind()
         runner.graph_runner = graph_runner
         captured = runner.forward(inp).next_token_logits
         assert captured.shape == eager.shape == (len(order), eager.shape[1])
@@ -252,14 +261,18 @@ def staggered_generate(engine, prompts, lengths):
 
 
 @pytest.mark.slow
-def test_captured_engines_equal_eager_plain(v4_mtp, monkeypatch):
+@pytest.mark.parametrize("family", ["deepseek_v4", "qwen4_exp"])
+def test_captured_engines_equal_eager_plain(family, request, monkeypatch):
     """Plain and NEXTN engines replaying captured steps (bucket 4, 1 to 4 live requests)
-    give the eager plain engine's greedy tokens (which equal transformers', see
-    test_engine.py)."""
+    give the eager plain engine's greedy tokens, which equal transformers' `generate`
+    (contexts long enough for QSA's selection and past one padded key-block count)."""
+    path, hf = checkpoint_of(family, request)
     prompts = prompts_of((5, 23, 40, 11, 33), seed=4)
     lengths = [30, 12, 25, 40, 18]
-    common = dict(model_path=str(v4_mtp), dtype="float32", page_size=4)
+    common = dict(model_path=str(path), dtype="float32", page_size=4)
     reference = staggered_generate(Engine(**common, disable_cuda_graph=True), prompts, lengths)
+    for ids, n, tokens in zip(prompts, lengths, reference):
+        assert tokens == hf_greedy(hf, ids, n)
     monkeypatch.delenv(DISABLE_ENV, raising=False)
     for spec in ({}, {"speculative_algorithm": "NEXTN", "speculative_num_steps": 3}):
         engine = Engine(**common, cuda_graph_bs=[BUCKET], capture_compile="inline", **spec)

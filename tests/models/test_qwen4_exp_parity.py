@@ -12,6 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from runtime.cache import PagedTokenAllocator, ReqToTokenPool, SlotTable
+from runtime.configs.model_config import ModelConfig
 from runtime.core.forward_mode import ForwardMode
 from runtime.execution.model_runner import ModelInput
 from tests.models.test_deepseek_v4_parity import (
@@ -21,6 +23,7 @@ from tests.models.test_deepseek_v4_parity import (
     hf_logits,
     make_runner,
 )
+from tests.runners import load_runner
 from tests.tiny_checkpoints import (
     build_tiny_qwen4_exp_checkpoint,
     make_hf_qwen4_exp_model,
@@ -104,7 +107,8 @@ def test_silu_output_gate(tmp_path):
     assert_prefill_matches_transformers(path, hf, token_ids(25, seed=5))
 
 
-def test_qsa_ties_break_as_transformers_does(tmp_path):
+@pytest.fixture(scope="module")
+def tied_qwen(tmp_path_factory):
     """An indexer whose queries are zero scores every block exactly 0, so the whole selection
     is decided by how top-k breaks ties (relu makes such ties common in trained models)."""
     config = tiny_qwen4_exp_config()
@@ -116,5 +120,36 @@ def test_qsa_ties_break_as_transformers_does(tmp_path):
             if indexer is not None:
                 indexer.index_qk_proj.weight[:query_rows] = 0
     state = {k: v.clone().contiguous() for k, v in hf.state_dict().items()}
-    path = save_released_checkpoint(tmp_path / "ties", config, state)
+    return save_released_checkpoint(tmp_path_factory.mktemp("ties"), config, state), hf
+
+
+def test_qsa_ties_break_as_transformers_does(tied_qwen):
+    path, hf = tied_qwen
     assert_prefill_matches_transformers(path, hf, token_ids(45, seed=7))
+
+
+def test_qsa_ties_in_uniform_verify_rows_break_as_transformers_does(tied_qwen):
+    """The fixed-shape path of decode, verify and draft steps (rows `[bs, q]`, keys laid out
+    by position and padded past the longest request): three requests of different lengths,
+    four verify rows each, every row's selection decided by ties alone."""
+    path, hf = tied_qwen
+    config = ModelConfig.from_path(path, "float32")
+    table = SlotTable(ReqToTokenPool(4, 128), PagedTokenAllocator(96, 4))
+    runner = load_runner(config, table, max_tokens_per_pass=4)
+    seqs = [token_ids(n, seed=20 + n) for n in (27, 44, 61)]
+    reqs = [table.open_request() for _ in seqs]
+    for req, seq in zip(reqs, seqs):
+        table.reserve(req, len(seq))
+        runner.forward(ModelInput(ForwardMode.EXTEND, seq[:-4], [req], [0], [len(seq) - 4]))
+    out = runner.forward(
+        ModelInput(
+            ForwardMode.TARGET_VERIFY,
+            torch.cat([s[-4:] for s in seqs]),
+            reqs,
+            [len(s) - 4 for s in seqs],
+            [4] * len(seqs),
+            logits_row_indices=None,
+        )
+    )
+    want = torch.cat([hf_logits(hf, s)[-4:] for s in seqs])
+    torch.testing.assert_close(out.next_token_logits, want, atol=ATOL, rtol=0)

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Request/token slot bookkeeping and the DeepSeek-V4 cache addressing."""
+"""Request/token slot bookkeeping and the DeepSeek-V4 and Qwen4Exp cache addressing."""
 
 from __future__ import annotations
 
@@ -11,6 +11,24 @@ import torch
 from runtime.cache import PagedTokenAllocator, ReqToTokenPool, SlotTable
 from runtime.cache.deepseek_v4_pool import DeepseekV4CacheLayout, DeepseekV4KVPool
 from runtime.cache.pool_geometry import PoolGeometry
+from runtime.cache.qwen4_exp_pool import Qwen4ExpCacheLayout
+
+QWEN_LAYOUT = Qwen4ExpCacheLayout(
+    layer_kinds=("linear", "attention"),
+    ple_layers=(0,),
+    num_kv_heads=1,
+    head_dim=8,
+    index_head_dim=4,
+    conv_dim=6,
+    conv_kernel=4,
+    num_v_heads=2,
+    head_k_dim=4,
+    head_v_dim=4,
+    hc_width=8,
+    ple_conv_span=9,
+    ngram_size=3,
+    qsa_ratio=4,
+)
 
 
 def table(max_reqs=4, pages=10, page_size=4, context=64):
@@ -176,3 +194,106 @@ def test_padding_request_scratch_page_and_snapshots_never_share_a_slot():
     pool.restore_snapshot(1, reqs[0])
     assert all((buf == 1.0).all() for buf in pool.request_state(reqs[0]))
     assert all((buf == 7.0).all() for buf in pool.request_state(pad))
+
+
+def test_qwen4_exp_padding_rows_address_only_the_padding_request_and_the_scratch_page():
+    """In a captured Qwen4Exp step padded with copies of the padding request, every cache row
+    a padding row writes or reads (its token slots, its keys, its conv, token and PLE ring
+    rows, its recurrent state row) is the padding request's or in the scratch page; and
+    snapshot save/restore of a request's state leaves the padding rows alone."""
+    from runtime.cache.qwen4_exp_metadata import Qwen4ExpUniformMetadata
+    from runtime.cache.qwen4_exp_pool import Qwen4ExpKVPool
+    from runtime.core.forward_context import ForwardContext
+    from runtime.core.forward_mode import ForwardMode
+
+    layout = QWEN_LAYOUT
+    t = table(max_reqs=3, pages=24, page_size=4, context=48)
+    geometry = PoolGeometry(
+        max_reqs=3,
+        num_pages=24,
+        page_size=4,
+        max_tokens_per_pass=4,
+        dtype=torch.float32,
+        max_context=48,
+    )
+    pool = Qwen4ExpKVPool(layout, geometry)
+    pad = t.req_pool.pad_req
+    assert pool.ssm_state[0].shape[0] == 4 and pool.conv_state[0].shape[0] == 4 * pool.conv_ring
+    assert pool.k_cache[1].shape[0] == 25 * 4  # every page and the scratch page
+    reqs = [t.open_request() for _ in range(2)]
+    for r in reqs:
+        assert t.reserve(r, 40)
+    scratch = set(t.scratch_slots(torch.arange(4)).tolist())
+    for rows in (1, 4):
+        ctx = ForwardContext.build(
+            ForwardMode.TARGET_VERIFY,
+            reqs + [pad] * 2,
+            [30, 9, 0, 0],
+            [rows] * 4,
+            None,
+            t.req_to_token,
+            pool,
+        )
+        meta = pool.prepare(ctx, lambda ratio, needed: 16)  # more than the context holds
+        assert isinstance(meta, Qwen4ExpUniformMetadata)
+        padding = slice(2 * rows, None)  # rows of the two padding copies
+        assert set(ctx.out_cache_loc[padding].tolist()) <= scratch
+        assert set(meta.keys.key_slots[2:].flatten().tolist()) <= scratch
+        for ring, size in (
+            (meta.conv, pool.conv_ring),
+            (meta.ple_tokens, pool.token_ring),
+            (meta.ple_conv, pool.ple_conv_ring),
+        ):
+            assert set((ring.write[padding] // size).tolist()) == {pad}
+            assert set((ring.read[padding] // size).flatten().tolist()) == {pad}
+        assert meta.state_kept.tolist() == [True, True, False, False]
+        assert meta.keys.key_slots.shape[1] == pool.max_blocks == 12  # 48 positions / 4
+    pool.allocate_snapshots(2)
+    for buf in pool.request_state(pad):
+        buf.fill_(7)
+    for buf in pool.request_state(reqs[1]):
+        buf.fill_(1)
+    pool.save_snapshot(reqs[1], slot=0)
+    pool.restore_snapshot(0, reqs[0])
+    assert all((buf == 1).all() for buf in pool.request_state(reqs[0]))
+    assert all((buf == 7).all() for buf in pool.request_state(pad))
+
+
+@pytest.mark.parametrize("rows_per_req", [1, 4])
+def test_qwen4_exp_uniform_metadata_numpy_equals_torch(rows_per_req):
+    """The CPU fast path of the fixed-shape Qwen4Exp metadata (numpy) builds the same tensors
+    as the torch statement used on other devices, padding request included."""
+    from runtime.cache.qwen4_exp_metadata import uniform_metadata
+    from runtime.cache.qwen4_exp_pool import Qwen4ExpKVPool
+    from runtime.core.forward_context import ForwardContext
+    from runtime.core.forward_mode import ForwardMode
+    from runtime.execution.graph_runner import tensors_of
+
+    t = table(max_reqs=3, pages=48, page_size=4, context=64)
+    geometry = PoolGeometry(
+        max_reqs=3,
+        num_pages=48,
+        page_size=4,
+        max_tokens_per_pass=4,
+        dtype=torch.float32,
+        max_context=64,
+    )
+    pool = Qwen4ExpKVPool(QWEN_LAYOUT, geometry)
+    reqs = [t.open_request() for _ in range(3)]
+    for r in reqs:
+        assert t.reserve(r, 60)
+    for mode in (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY):
+        ctx = ForwardContext.build(
+            mode,
+            reqs + [t.req_pool.pad_req],
+            [0, 17, 50, 0],
+            [rows_per_req] * 4,
+            None,
+            t.req_to_token,
+            pool,
+        )
+        blocks = lambda ratio, needed: needed + 3  # noqa: E731
+        fast = uniform_metadata(ctx, pool, blocks, host=True)
+        reference = uniform_metadata(ctx, pool, blocks, host=False)
+        for a, b in zip(tensors_of(fast), tensors_of(reference), strict=True):
+            assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)

@@ -9,12 +9,16 @@ QSA (transformers' `Qwen4ExpTextQSAIndexer` in `models/qwen4_exp/modeling_qwen4_
 the visible keys of a query at p are grouped into complete blocks of `ratio` positions; a
 block's key is `rope(k_layernorm(mean of its raw index keys), block start)`; blocks are
 scored `sum_h relu(q_h . k_b) / sqrt(d)` and the top `budget / ratio` are kept, together
-with the incomplete tail block. Until a query sees more
-than `budget + ratio - 1` keys the selection keeps everything (dense attention).
+with the incomplete tail block. Until a query sees more than `budget + ratio - 1` keys the
+selection keeps everything (dense attention); that switch is a per-row mask, not a branch.
 
 Keys and values live at full-history token slots (`out_cache_loc`); raw index keys beside
 them. Both are keyed by position, so rejected speculative rows are rewritten, not undone.
-The MTP draft selects on its first step and reuses that selection on later chained steps.
+Every index comes from the metadata the runner prepared before the forward
+(`runtime.cache.qwen4_exp_metadata`): uniform batches (decode, verify, draft steps) take the
+fixed-shape path a captured step replays, each request's keys laid out by position; prefill
+chunks the ragged one. The MTP draft selects on its first step and reuses that selection on
+later chained steps.
 
 Under tensor parallelism the query heads (with their gates) and the KV heads split over
 `tp` (a KV head is replicated when there are fewer than ranks, as vLLM does), `o_proj`
@@ -23,81 +27,44 @@ reduces, and the indexer (one key head) is replicated so every rank selects the 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 
+from runtime.cache.qwen4_exp_metadata import (
+    Qwen4ExpRaggedMetadata,
+    Qwen4ExpUniformMetadata,
+    UniformKeys,
+    VisibleKeys,
+)
 from runtime.core.forward_context import ForwardContext
 from runtime.distributed import ParallelGroup
+from runtime.kernels.indexer_topk import indexer_topk
 from runtime.layers.linear import QKVParallelLinear, ReplicatedLinear, RowParallelLinear
 from runtime.layers.norm import OffsetRMSNorm
 from runtime.layers.rotary import RotaryEmbedding
 
 
-@dataclass
-class VisibleKeys:
-    """Every key position any row of the forward may see, request by request."""
+def top_blocks(
+    scores: torch.Tensor, block_visible: torch.Tensor, num_blocks: torch.Tensor, k: int
+) -> torch.Tensor:
+    """The `k` best visible blocks of each row as a mask `[T, B]` (every visible block for
+    rows that see at most `k`). `scores [T, B]` in the row's own request's block numbering,
+    so a row's visible blocks are its first `num_blocks`.
 
-    slots: torch.Tensor  # [L] token slot of each key
-    positions: torch.Tensor  # [L]
-    key_req: torch.Tensor  # [L] batch index of the key's request
-    allowed: torch.Tensor  # [T, L] same request and causal
-    block_of_key: torch.Tensor  # [L] index into the block list; B for keys of a partial block
-    block_start: torch.Tensor  # [B] first position of each complete block
-    block_visible: torch.Tensor  # [T, B] complete and visible to the row
-    tail_start: torch.Tensor  # [T] first position of each row's incomplete tail block
-    num_blocks: torch.Tensor  # [T] complete visible blocks per row
-
-
-def visible_keys(ctx: ForwardContext, ratio: int) -> VisibleKeys:
-    def build() -> VisibleKeys:
-        device = ctx.device
-        lens = ctx.seq_lens
-        key_req = torch.repeat_interleave(torch.arange(ctx.batch_size, device=device), lens)
-        key_start = torch.cumsum(lens, 0) - lens
-        positions = torch.arange(int(lens.sum()), device=device) - key_start[key_req]
-        slots = ctx.req_to_token[ctx.req_pool_indices[key_req], positions]
-        row_req, row_pos = ctx.token_to_req, ctx.positions
-        allowed = (key_req.unsqueeze(0) == row_req.unsqueeze(1)) & (
-            positions.unsqueeze(0) <= row_pos.unsqueeze(1)
-        )
-        blocks = lens // ratio
-        block_req = torch.repeat_interleave(torch.arange(ctx.batch_size, device=device), blocks)
-        block_first = torch.cumsum(blocks, 0) - blocks
-        block_start = (
-            torch.arange(int(blocks.sum()), device=device) - block_first[block_req]
-        ) * ratio
-        in_complete = positions < (blocks * ratio)[key_req]
-        block_of_key = torch.where(
-            in_complete, block_first[key_req] + positions // ratio, int(blocks.sum())
-        )
-        num_blocks = (row_pos + 1) // ratio
-        block_visible = (block_req.unsqueeze(0) == row_req.unsqueeze(1)) & (
-            block_start.unsqueeze(0) + ratio - 1 <= row_pos.unsqueeze(1)
-        )
-        return VisibleKeys(
-            slots,
-            positions,
-            key_req,
-            allowed,
-            block_of_key,
-            block_start,
-            block_visible,
-            num_blocks * ratio,
-            num_blocks,
-        )
-
-    return ctx.memo(f"qsa.keys.{ratio}", build)
-
-
-def tokens_of_blocks(selected: torch.Tensor, keys: VisibleKeys) -> torch.Tensor:
-    """Block selection `[T, B]` -> token mask `[T, L]`: keys of selected blocks plus each row's
-    incomplete tail block."""
-    padded = torch.cat([selected, selected.new_zeros((selected.shape[0], 1))], dim=1)
-    in_block = padded[:, keys.block_of_key]
-    in_tail = keys.positions.unsqueeze(0) >= keys.tail_start.unsqueeze(1)
-    return in_block | in_tail
+    Relu zeroes whole scores, so exact ties are common. The reference (transformers'
+    `Qwen4ExpTextQSAIndexer`) runs `topk` over the row's visible blocks alone, and which of
+    several tied blocks it keeps depends on how many there are; `indexer_topk` takes one
+    fixed-size `topk` where no tie straddles the k-th place and the reference's `topk` over
+    exactly `num_blocks` entries where one does, so a row's choice never depends on what else
+    shares the batch (which speculative verify, batched differently from plain decode, relies
+    on) or on padding. It is a custom op with a fake implementation: one opaque node of fixed
+    shape in a captured step."""
+    width = scores.shape[1]
+    visible = scores.masked_fill(~block_visible, float("-inf"))
+    picked, valid = indexer_topk(visible, num_blocks, num_blocks, k)
+    columns = torch.where(valid, picked, width)  # invalid picks land in a dropped column
+    selected = block_visible.new_zeros((scores.shape[0], width + 1))
+    return selected.scatter(1, columns, True)[:, :width]
 
 
 class QSAIndexer(nn.Module):
@@ -113,6 +80,19 @@ class QSAIndexer(nn.Module):
         self.q_layernorm = OffsetRMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_layernorm = OffsetRMSNorm(self.head_dim, config.rms_norm_eps)
 
+    def write_keys(self, x: torch.Tensor, ctx: ForwardContext, index_cache: torch.Tensor):
+        """Writes this forward's raw index keys at their token slots; returns the queries'
+        projection `[T, heads * d]`."""
+        q, raw_k = self.index_qk_proj(x).split(
+            [self.num_heads * self.head_dim, self.head_dim], dim=-1
+        )
+        index_cache[ctx.out_cache_loc] = raw_k.to(index_cache.dtype)
+        return q
+
+    def queries(self, q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        q = self.q_layernorm(q.view(-1, self.num_heads, self.head_dim))
+        return self.rope.apply(q, cos, sin).float()
+
     def forward(
         self,
         x: torch.Tensor,
@@ -121,59 +101,52 @@ class QSAIndexer(nn.Module):
         sin: torch.Tensor,
         index_cache: torch.Tensor,
         keys: VisibleKeys,
-    ) -> torch.Tensor | None:
-        """Writes this forward's raw index keys; returns the selected-block mask `[T, B]`, or
-        None when every row still keeps all of its blocks."""
-        q, raw_k = self.index_qk_proj(x).split(
-            [self.num_heads * self.head_dim, self.head_dim], dim=-1
-        )
-        index_cache[ctx.out_cache_loc] = raw_k.to(index_cache.dtype)
-        if int(keys.num_blocks.max()) <= self.block_topk:
-            return None
-        q = self.rope.apply(self.q_layernorm(q.view(-1, self.num_heads, self.head_dim)), cos, sin)
+    ) -> torch.Tensor:
+        """Ragged rows: writes this forward's raw index keys; returns the selected-block
+        mask `[T, Bmax]` in each row's request's block numbering."""
+        q = self.write_keys(x, ctx, index_cache)
+        if keys.most_blocks <= self.block_topk:  # every row keeps all of its blocks
+            return keys.block_visible
+        q = self.queries(q, cos, sin)
         raw = index_cache[keys.slots].float()  # [L, d]
         num_blocks = keys.block_start.shape[0]
         complete = keys.block_of_key < num_blocks
         sums = torch.zeros(num_blocks, self.head_dim, device=x.device).index_add_(
             0, keys.block_of_key[complete], raw[complete]
         )
-        pooled = self.k_layernorm((sums / self.ratio).to(raw_k.dtype))
+        pooled = self.k_layernorm((sums / self.ratio).to(x.dtype))
         block_cos, block_sin = self.rope.cos_sin(keys.block_start)
         block_keys = self.rope.apply(pooled, block_cos, block_sin)
-        scores = torch.relu(torch.einsum("thd,bd->thb", q.float(), block_keys.float())).sum(1)
-        return top_blocks_per_row(scores / self.head_dim**0.5, keys, self.block_topk)
+        scores = torch.relu(torch.einsum("thd,bd->thb", q, block_keys.float())).sum(1)
+        scores = (scores / self.head_dim**0.5).gather(1, keys.block_cols)
+        return top_blocks(scores, keys.block_visible, keys.num_blocks, self.block_topk)
 
-
-def top_blocks_per_row(scores: torch.Tensor, keys: VisibleKeys, k: int) -> torch.Tensor:
-    """The `k` best visible blocks of each row as a mask `[T, B]` (all of them for rows that
-    see at most `k`).
-
-    Relu zeroes whole scores, so exact ties are common. Where no tie straddles the k-th place
-    the set is the same under any tie rule: every block scoring at least the k-th score. Where
-    one does, the reference (HF) has `topk` on that row's visible blocks alone decide; such rows
-    are grouped by how many blocks they see and each group goes through one `topk` over exactly
-    those blocks, so ties break as they do there, and a row's choice never depends on what else
-    shares the batch (which speculative verify, batched differently from plain decode, relies on).
-    """
-    selected = keys.block_visible.clone()
-    num_blocks = keys.num_blocks
-    over = num_blocks > k
-    if not bool(over.any()):
-        return selected
-    visible = scores.masked_fill(~keys.block_visible, float("-inf"))
-    kth, next_best = visible.topk(k + 1, dim=1).values.unbind(1)[k - 1 :]
-    selected[over] &= visible[over] >= kth[over].unsqueeze(1)
-    tied = over & (kth == next_best)
-    if not bool(tied.any()):
-        return selected
-    first = keys.block_visible.int().argmax(dim=1)  # a row's visible blocks are contiguous
-    for count in torch.unique(num_blocks[tied]).tolist():
-        rows = (tied & (num_blocks == count)).nonzero().squeeze(1)
-        cols = first[rows].unsqueeze(1) + torch.arange(count, device=scores.device)
-        best = cols.gather(1, scores[rows].gather(1, cols).topk(k, dim=1).indices)
-        selected[rows] = False
-        selected[rows.unsqueeze(1), best] = True
-    return selected
+    def forward_uniform(
+        self,
+        x: torch.Tensor,
+        ctx: ForwardContext,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        index_cache: torch.Tensor,
+        keys: UniformKeys,
+        rows_per_req: int,
+    ) -> torch.Tensor:
+        """Uniform rows: writes this forward's raw index keys, then scores every block of
+        the request's keys (laid out by position, so pooling is a reshape). Returns the
+        selected-block mask `[N, B]`."""
+        q = self.queries(self.write_keys(x, ctx, index_cache), cos, sin)
+        bs, num_blocks = keys.key_slots.shape[:2]
+        raw = index_cache[keys.key_slots].float().sum(2)  # [bs, B, d]
+        pooled = self.k_layernorm((raw / self.ratio).to(x.dtype))
+        block_cos, block_sin = self.rope.cos_sin(keys.block_start)
+        # [B, bs, d]: one rotation per block, shared by the requests
+        block_keys = self.rope.apply(pooled.transpose(0, 1), block_cos, block_sin)
+        q = q.view(bs, rows_per_req * self.num_heads, self.head_dim)
+        scores = torch.bmm(q, block_keys.float().permute(1, 2, 0))  # [bs, q * heads, B]
+        scores = torch.relu(scores).view(-1, self.num_heads, num_blocks).sum(1)
+        return top_blocks(
+            scores / self.head_dim**0.5, keys.block_visible, keys.num_blocks, self.block_topk
+        )
 
 
 def local_kv_heads(config, tp_size: int) -> int:
@@ -227,43 +200,68 @@ class QSAAttention(nn.Module):
             pool.dtype
         )
 
-        keys = visible_keys(ctx, self.ratio)
-        allowed = keys.allowed
-        if self.indexer is not None:
-            kept = self._selection(x, ctx, cos, sin, keys, spec_step_idx)
-            if kept is not None:
-                allowed = allowed & kept
-        out = self._attend(
-            q, pool.k_cache[layer][keys.slots], pool.v_cache[layer][keys.slots], allowed
-        )
+        meta = ctx.attn_metadata
+        if isinstance(meta, Qwen4ExpUniformMetadata):
+            out = self._attend_uniform(x, q, ctx, cos, sin, meta, spec_step_idx)
+        else:
+            out = self._attend_ragged(x, q, ctx, cos, sin, meta, spec_step_idx)
         return self.o_proj((out * torch.sigmoid(gate.float()).to(out.dtype)).flatten(1))
 
-    def _selection(
-        self, x, ctx, cos, sin, keys: VisibleKeys, spec_step_idx: int
-    ) -> torch.Tensor | None:
-        """Token-level QSA mask `[T, L]` (None: keep everything)."""
-        pool, layer = ctx.kv_pool, self.cache_layer
-        if spec_step_idx > 0 and pool.reuses_qsa_selection:
-            # later chained draft steps keep the selection the first step made
-            raw_k = self.indexer.index_qk_proj(x)[
-                :, self.indexer.num_heads * self.indexer.head_dim :
-            ]
-            pool.index_cache[layer][ctx.out_cache_loc] = raw_k.to(pool.index_cache[layer].dtype)
-            return pool.recall_selection(layer, ctx, keys)
-        selected = self.indexer(x, ctx, cos, sin, pool.index_cache[layer], keys)
-        kept = None if selected is None else tokens_of_blocks(selected, keys)
-        if pool.reuses_qsa_selection and ctx.logits_row_indices is not None:
-            pool.remember_selection(layer, ctx, keys, selected)
-        return kept
-
-    def _attend(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor
+    def _attend_ragged(
+        self, x, q, ctx: ForwardContext, cos, sin, meta: Qwen4ExpRaggedMetadata, spec_step_idx
     ) -> torch.Tensor:
-        """`q [T, H, d]`, `k/v [L, KV, d]`, `allowed [T, L]` -> `[T, H, d]` (softmax in fp32)."""
+        """Prefill chunks: every key of the batch, masked to the row's request (`[T, L]`)."""
+        pool, layer, keys = ctx.kv_pool, self.cache_layer, meta.keys
+        allowed = keys.allowed
+        if self.indexer is not None:
+            if spec_step_idx > 0 and pool.reuses_qsa_selection:
+                raise ValueError("chained draft steps run one row per request (uniform rows)")
+            selected = self.indexer(x, ctx, cos, sin, pool.index_cache[layer], keys)
+            self._remember(ctx, selected, keys.tail_start)
+            in_block = selected[:, keys.key_block]  # [T, L]
+            in_tail = keys.positions.unsqueeze(0) >= keys.tail_start.unsqueeze(1)
+            allowed = allowed & (in_block | in_tail)
+        k, v = pool.k_cache[layer][keys.slots], pool.v_cache[layer][keys.slots]
         groups = self.num_heads // self.num_kv_heads
         qg = q.view(q.shape[0], self.num_kv_heads, groups, self.head_dim)
         scores = torch.einsum("tkgd,lkd->tkgl", qg.float(), k.float()) * self.head_dim**-0.5
         scores = scores.masked_fill(~allowed.view(allowed.shape[0], 1, 1, -1), float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        out = torch.einsum("tkgl,lkd->tkgd", probs, v.float())
+        out = torch.einsum("tkgl,lkd->tkgd", torch.softmax(scores, dim=-1), v.float())
         return out.reshape(q.shape).to(q.dtype)
+
+    def _attend_uniform(
+        self, x, q, ctx: ForwardContext, cos, sin, meta: Qwen4ExpUniformMetadata, spec_step_idx
+    ) -> torch.Tensor:
+        """Uniform rows: each request's keys laid out by position (`[bs, K]`, shared by its
+        `q` rows), the QSA selection a mask over them; fixed shapes throughout."""
+        pool, layer, keys = ctx.kv_pool, self.cache_layer, meta.keys
+        bs, rows = meta.num_reqs, meta.rows_per_req
+        allowed = keys.key_visible  # [N, B, ratio]
+        if self.indexer is not None:
+            if spec_step_idx > 0 and pool.reuses_qsa_selection:
+                # later chained draft steps keep the selection the first step made
+                self.indexer.write_keys(x, ctx, pool.index_cache[layer])
+                kept = pool.recall_selection(layer, ctx, keys.key_pos)  # [bs, B, ratio]
+                kept = kept.unsqueeze(1).expand(bs, rows, *kept.shape[1:]).flatten(0, 1)
+                allowed = allowed & kept
+            else:
+                selected = self.indexer.forward_uniform(
+                    x, ctx, cos, sin, pool.index_cache[layer], keys, rows
+                )
+                self._remember(ctx, selected, keys.tail_start)
+                # a selected block is complete and visible, so all of its keys are
+                allowed = selected.unsqueeze(-1) | keys.tail_keys
+        slots = keys.key_slots.flatten(1)  # [bs, K]
+        k, v = pool.k_cache[layer][slots], pool.v_cache[layer][slots]  # [bs, K, KV, d]
+        groups = self.num_heads // self.num_kv_heads
+        qg = q.view(bs, rows, self.num_kv_heads, groups, self.head_dim)
+        scores = torch.einsum("bqkgd,blkd->bqkgl", qg.float(), k.float()) * self.head_dim**-0.5
+        mask = allowed.view(bs, rows, 1, 1, -1)
+        scores = scores.masked_fill(~mask, float("-inf"))
+        out = torch.einsum("bqkgl,blkd->bqkgd", torch.softmax(scores, dim=-1), v.float())
+        return out.reshape(q.shape).to(q.dtype)
+
+    def _remember(self, ctx: ForwardContext, selected: torch.Tensor, tail_start) -> None:
+        """The draft's first step keeps its selection for the chained steps after it."""
+        if ctx.kv_pool.reuses_qsa_selection and ctx.logits_row_indices is not None:
+            ctx.kv_pool.remember_selection(self.cache_layer, ctx, selected, tail_start)

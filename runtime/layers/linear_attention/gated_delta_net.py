@@ -15,6 +15,11 @@ Under tensor parallelism the key and value heads split over `tp` (vLLM's
 the decay vectors, its heads' recurrent states, and `out_proj` reduces.
 A TARGET_VERIFY pass leaves the state alone and records the state after every verify row
 instead; `commit_verified` later keeps the one matching the accepted length.
+
+The addressing comes prepared with the forward (`runtime.cache.qwen4_exp_metadata`): uniform
+rows (decode, verify) are `[bs, q]` as they stand, their conv inputs written into the ring
+before every tap is read from it, so a captured step has fixed shapes; prefill chunks pad
+each request's rows to the longest.
 """
 
 from __future__ import annotations
@@ -23,10 +28,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from runtime.cache.qwen4_exp_metadata import Qwen4ExpUniformMetadata
 from runtime.core.forward_context import ForwardContext
 from runtime.distributed import ParallelGroup
 from runtime.kernels.gated_delta_rule import chunked_gated_delta_rule
-from runtime.layers.causal_conv import causal_conv, conv_window_access
+from runtime.layers.causal_conv import causal_conv, causal_conv_uniform
 from runtime.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from runtime.layers.norm import GatedRMSNorm
 from runtime.layers.weight_utils import (
@@ -39,19 +45,6 @@ from runtime.layers.weight_utils import (
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
-
-
-def pad_by_request(ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
-    """`[bs, L]` row index of each request's rows (padded) and the validity mask."""
-
-    def build():
-        longest = max(ctx.extend_lens_cpu) if ctx.batch_size else 0
-        offsets = torch.arange(longest, device=ctx.device)
-        valid = offsets.unsqueeze(0) < ctx.extend_lens.unsqueeze(1)
-        index = (ctx.extend_start_loc.unsqueeze(1) + offsets).masked_fill(~valid, 0)
-        return index, valid
-
-    return ctx.memo("rows.padded", build)
 
 
 def local_head_counts(config, tp_size: int) -> tuple[int, int]:
@@ -108,13 +101,11 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         pool = ctx.kv_pool
         layer = self.cache_layer
+        meta = ctx.attn_metadata
+        uniform = isinstance(meta, Qwen4ExpUniformMetadata)
         qkv, z, b, a = self.in_proj(x).split(self.in_proj_sizes, dim=-1)
-        access = conv_window_access(
-            ctx, self.kernel, 1, pool.conv_ring, pool.conv_state[layer].shape[0], "gdn.conv"
-        )
-        qkv = F.silu(
-            causal_conv(qkv, self.conv1d.weight.squeeze(1), pool.conv_state[layer], access)
-        )
+        conv = causal_conv_uniform if uniform else causal_conv
+        qkv = F.silu(conv(qkv, self.conv1d.weight.squeeze(1), pool.conv_state[layer], meta.conv))
         q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         repeat = self.num_v_heads // self.num_k_heads
         q = l2_normalize(q.view(-1, self.num_k_heads, self.head_k_dim).float()).repeat_interleave(
@@ -127,13 +118,15 @@ class GatedDeltaNet(nn.Module):
         v = v.view(-1, self.num_v_heads, self.head_v_dim).float()
         beta = torch.sigmoid(b.float())
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
-        out = self._recurrence(q, k, v, g, beta, ctx)
+        recurrence = self._recurrence_uniform if uniform else self._recurrence
+        out = recurrence(q, k, v, g, beta, ctx)
         out = self.norm(out.to(x.dtype), z.view(-1, self.num_v_heads, self.head_v_dim))
         return self.out_proj(out.flatten(1))
 
     def _recurrence(self, q, k, v, g, beta, ctx: ForwardContext) -> torch.Tensor:
+        """Ragged rows: each request's rows padded to the longest (`g = beta = 0` there)."""
         pool, layer = ctx.kv_pool, self.cache_layer
-        index, valid = pad_by_request(ctx)
+        index, valid = ctx.attn_metadata.rows.index, ctx.attn_metadata.rows.valid
         mask = valid.unsqueeze(-1)
         padded = [
             t[index] * (mask.unsqueeze(-1) if t.dim() == 3 else mask) for t in (q, k, v, g, beta)
@@ -148,6 +141,21 @@ class GatedDeltaNet(nn.Module):
         else:
             pool.ssm_state[layer][slots] = final
         return out[valid]
+
+    def _recurrence_uniform(self, q, k, v, g, beta, ctx: ForwardContext) -> torch.Tensor:
+        """Uniform rows are `[bs, q]` already: no gather, no padding."""
+        pool, layer, meta = ctx.kv_pool, self.cache_layer, ctx.attn_metadata
+        bs, rows = meta.num_reqs, meta.rows_per_req
+        shaped = [t.view(bs, rows, *t.shape[1:]) for t in (q, k, v, g, beta)]
+        slots = ctx.req_pool_indices
+        start = pool.ssm_state[layer][slots] * meta.state_kept.view(-1, 1, 1, 1)
+        verify = ctx.forward_mode.is_target_verify()
+        out, final, states = chunked_gated_delta_rule(*shaped, start, return_states=verify)
+        if verify:
+            pool.ssm_snapshots[layer][slots, :rows] = states
+        else:
+            pool.ssm_state[layer][slots] = final
+        return out.flatten(0, 1)
 
 
 class _Unsqueezed:
