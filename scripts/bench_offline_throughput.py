@@ -20,13 +20,12 @@ the same prompts; `--hf-baseline` runs transformers' `generate` (left-padded bat
 from __future__ import annotations
 
 import argparse
-import itertools
 import sys
 import time
 
 from runtime.core.errors import InvalidRequestError
 from scripts.bench import flags, hf_baseline
-from scripts.bench.datasets import WARMUP_OUTPUT_LEN, requests_from_args, warmup_subset
+from scripts.bench.datasets import requests_from_args, warmup_subset
 from scripts.bench.report import (
     append_jsonl,
     plot_offline,
@@ -46,7 +45,7 @@ from scripts.bench.variants import (
     set_threads,
     spec_counters,
 )
-from scripts.bench.warmup import captured_buckets, report_compiles
+from scripts.bench.warmup import captured_buckets, captured_runners, report_compiles
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -56,6 +55,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--disable-ignore-eos", action="store_true", help="let requests stop at EOS")
     p.add_argument("--skip-warmup", action="store_true")
     flags.add_cache_args(p)
+    flags.add_capture_args(p)
     p.add_argument("--result-filename", help="append one JSONL record per run")
     flags.add_hf_baseline_arg(p)
     p.add_argument(
@@ -102,15 +102,12 @@ def run_all(engine, args, dataset, desc: str) -> tuple[list[dict], float]:
 
 
 def warm_up_buckets(engine, args, dataset) -> None:
-    """One short batch per captured bucket the run can meet (every request at once, then
-    fewer as they finish), so no bucket compiles inside the timed run."""
+    """Compile every captured bucket the run can meet (each step kind the warm-up ran, at
+    every bucket up to the run's concurrency), so no compile lands in the timed run."""
     most = min(len(dataset), engine.config.max_running_requests)
-    for bucket in captured_buckets(engine, most):
-        batch = [
-            (ids, WARMUP_OUTPUT_LEN)
-            for ids, _ in itertools.islice(itertools.cycle(dataset), bucket)
-        ]
-        run_all(engine, args, batch, f"warmup batch {bucket}")
+    buckets = captured_buckets(engine, most)
+    for runner in captured_runners(engine):
+        runner.graph_runner.compile_buckets(buckets)
     report_compiles(engine)
 
 

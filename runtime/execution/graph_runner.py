@@ -342,6 +342,17 @@ class GraphRunner:
             spec_step_idx=key.spec_step_idx,
         )
 
+    def compile_buckets(self, buckets) -> None:
+        """Compile every step seen so far for each of `buckets` too, in the calling thread: a
+        benchmark's warm-up meets each kind of step at some batch size, while its measured
+        run may meet any bucket."""
+        for key, seen in list(self._steps.items()):
+            for bucket in buckets:
+                if bucket in self.buckets:
+                    step = self._step(dataclasses.replace(key, bucket=bucket), seen.hidden_like)
+                    if step.state is StepState.PENDING:
+                        self._compile(step)
+
     def wait_until_idle(self, timeout: float | None = None) -> bool:
         """Block until no bucket is compiling (tests, benchmarks). False on timeout."""
         deadline = None if timeout is None else time.monotonic() + timeout

@@ -11,6 +11,8 @@ the engine-level ones are `slow`.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -281,3 +283,26 @@ def test_captured_engines_equal_eager_plain(family, request, monkeypatch):
         for runner in runners:
             states = runner.graph_runner.compiled_steps()
             assert states and all(s == "ready" for _, s, _ in states), states
+
+
+def test_compile_buckets_repeats_every_seen_step_at_each_bucket(tiny_v4, monkeypatch):
+    """A benchmark's warm-up meets each step kind at one batch size; `compile_buckets` then
+    compiles those kinds at every requested bucket the runner has (the compile itself is
+    stubbed here: which steps get compiled is what is checked)."""
+    config = bucket_config(batch_sizes=(1, 2, 4))
+    table, runner, _ = make_runners(tiny_v4[0], capture=config, draft=False)
+    graph_runner = runner.graph_runner
+    compiled = []
+
+    def fake_compile(step):
+        compiled.append(step.key)
+        step.state = StepState.READY
+
+    monkeypatch.setattr(graph_runner, "_compile", fake_compile)
+    prompts = prompts_of((9,), seed=5)
+    reqs = prefill(table, runner, prompts)
+    inp = ModelInput(ForwardMode.DECODE, torch.tensor([prompts[0][-1]]), reqs, [9], [1])
+    key = graph_runner.step_key(inp)
+    graph_runner._step(key, None).state = StepState.READY  # as if the warm-up had run it
+    graph_runner.compile_buckets([1, 2, 4, 8])  # 8 is not one of the runner's buckets
+    assert compiled == [dataclasses.replace(key, bucket=b) for b in (2, 4)]
