@@ -45,7 +45,7 @@ from scripts.bench.variants import (
     set_threads,
     spec_counters,
 )
-from scripts.bench.warmup import captured_buckets, captured_runners, report_compiles
+from scripts.bench.warmup import compile_captured_buckets
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -101,21 +101,11 @@ def run_all(engine, args, dataset, desc: str) -> tuple[list[dict], float]:
     return [engine.result(r) for r in reqs], duration
 
 
-def warm_up_buckets(engine, args, dataset) -> None:
-    """Compile every captured bucket the run can meet (each step kind the warm-up ran, at
-    every bucket up to the run's concurrency), so no compile lands in the timed run."""
-    most = min(len(dataset), engine.config.max_running_requests)
-    buckets = captured_buckets(engine, most)
-    for runner in captured_runners(engine):
-        runner.graph_runner.compile_buckets(buckets)
-    report_compiles(engine)
-
-
 def measure(engine, variant: Variant, args, dataset) -> dict:
     """One run of the whole dataset through `engine`; SGLang's result keys."""
     if not args.skip_warmup:
         run_all(engine, args, warmup_subset(dataset), "warmup")
-        warm_up_buckets(engine, args, dataset)
+        compile_captured_buckets(engine, min(len(dataset), engine.config.max_running_requests))
     before = spec_counters(engine)
     results, duration = run_all(engine, args, dataset, variant.label)
     ok = [r for r in results if r["meta_info"]["finish_reason"]["type"] != "abort"]

@@ -49,7 +49,7 @@ from scripts.bench.variants import (
     set_threads,
     spec_counters,
 )
-from scripts.bench.warmup import captured_buckets, report_compiles
+from scripts.bench.warmup import compile_captured_buckets
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -170,20 +170,16 @@ def engine_for(args, variant: Variant, settings: list[tuple[int, int, int]]):
 
 
 def warm_up(engine, args, settings) -> None:
-    """A short batch per batch size and per captured bucket below it (a NEXTN batch shrinks
-    as its requests reach their length in different rounds), so first-call costs and the
-    compile of every captured bucket a setting can meet stay out of the timings; prints what
-    each captured step took to compile."""
-    warmed: set[int] = set()
+    """A short batch per batch size, then every step kind it ran compiled at each captured
+    bucket up to the largest batch size, so first-call costs and compiles stay out of the
+    timings; prints what each captured step took to compile."""
     for bs in sorted({s[0] for s in settings}):
         _, input_len, output_len = next(s for s in settings if s[0] == bs)
-        for size in sorted({bs, *captured_buckets(engine, bs)} - warmed):
-            warm = batch_prompts(
-                args.seed + 1, size, input_len, engine.model_config.vocab_size, args.file_prompts
-            )
-            run_batch(engine, warm, min(output_len, WARMUP_OUTPUT_LEN))
-            warmed.add(size)
-    report_compiles(engine)
+        warm = batch_prompts(
+            args.seed + 1, bs, input_len, engine.model_config.vocab_size, args.file_prompts
+        )
+        run_batch(engine, warm, min(output_len, WARMUP_OUTPUT_LEN))
+    compile_captured_buckets(engine, max(s[0] for s in settings))
 
 
 def run_variants(args, variants: list[Variant], settings) -> tuple[list, list, dict]:

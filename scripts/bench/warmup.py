@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Keeping compiles out of the timings: captured steps compile the first time a batch bucket
-needs them, so a benchmark runs one short batch per bucket it can meet before it measures."""
+needs them, so a benchmark runs a short warm-up (which meets every kind of step) and then
+compiles those kinds at every bucket its measured run can meet."""
 
 from __future__ import annotations
 
@@ -24,6 +25,17 @@ def captured_buckets(engine, max_batch: int) -> list[int]:
         largest = graph_runner.bucket_for(max_batch)
         buckets.update(b for b in graph_runner.buckets if largest is None or b <= largest)
     return sorted(buckets)
+
+
+def compile_captured_buckets(engine, max_batch: int) -> None:
+    """Compile every step kind the engine has run at each bucket a run of at most `max_batch`
+    concurrent requests can use (a NEXTN batch shrinks through smaller buckets as its
+    requests finish; chunked prompts may never decode all at once in a warm-up), then print
+    what each captured step took to compile."""
+    buckets = captured_buckets(engine, max_batch)
+    for runner in captured_runners(engine):
+        runner.graph_runner.compile_buckets(buckets)
+    report_compiles(engine)
 
 
 def report_compiles(engine) -> None:
