@@ -67,9 +67,14 @@ class StepKey:
     logits: str  # _LOGITS_ALL or _LOGITS_PER_REQUEST
     hidden_input: bool
     spec_step_idx: int
+    # > 0: a whole draft round in one graph (`GraphRunner.try_draft_round`): the extend over
+    # verified rows, then `draft_steps - 1` chained steps, greedy picks in between
+    draft_steps: int = 0
 
     def describe(self) -> str:
         rows = "" if self.rows_per_req == 1 else f" x {self.rows_per_req} rows"
+        if self.draft_steps:
+            return f"draft round ({self.draft_steps} steps) bs {self.bucket}{rows}"
         step = f" step {self.spec_step_idx}" if self.spec_step_idx else ""
         return f"{self.mode.name.lower()}{step} bs {self.bucket}{rows}"
 
@@ -173,17 +178,60 @@ class GraphRunner:
         key = self.step_key(inp)
         if key is None:
             return None
-        step = self._step(key, inp.captured_hidden_states)
+        step = self._ready_step(key, inp.captured_hidden_states)
+        if step is None:
+            return None
+        batch = self.padded_batch(inp, step.key)
+        return self._run(step, batch, len(inp.extend_lens))
+
+    def round_key(self, inp, num_steps: int) -> StepKey | None:
+        """The captured draft round that runs the draft's extend `inp` and `num_steps - 1`
+        chained steps after it, or None (not a uniform extend over verified rows with one
+        logits row per request and the hidden state of that row)."""
+        key = self.step_key(inp)
+        if (
+            key is None
+            or key.mode is not ForwardMode.DRAFT_EXTEND
+            or key.logits != _LOGITS_PER_REQUEST
+            or key.capture_hidden is not CaptureHiddenMode.LAST
+            or not key.hidden_input
+            or num_steps < 1
+        ):
+            return None
+        return dataclasses.replace(key, draft_steps=num_steps)
+
+    def try_draft_round(
+        self, inp, chain_positions: list[int], num_steps: int
+    ) -> torch.Tensor | None:
+        """A whole greedy draft round in one captured graph (SGLang's
+        `EAGLEDraftCudaGraphRunner` runs every draft step of a round in one graph): the
+        extend `inp` over the verified rows, each request's next token the argmax of its
+        gather row, then `num_steps - 1` single-token steps, request b's first at position
+        `chain_positions[b]`, each fed the previous step's argmax and hidden state. The
+        metadata of every step is prepared before the graph runs (the chained steps'
+        positions follow the gather rows, known on the host). Returns the drafts
+        `[bs, num_steps]`, or None when the round must run step by step (not capturable,
+        or its bucket is not compiled yet)."""
+        key = self.round_key(inp, num_steps)
+        if key is None:
+            return None
+        step = self._ready_step(key, inp.captured_hidden_states)
+        if step is None:
+            return None
+        batch = self.padded_round(inp, chain_positions, step.key)
+        return self._run(step, batch, len(inp.extend_lens)).next_token_logits
+
+    def _ready_step(self, key: StepKey, hidden: torch.Tensor | None) -> CapturedStep | None:
+        """The compiled step for `key` (compiling it if it is new), or the smallest larger
+        ready bucket while it compiles, or None."""
+        step = self._step(key, hidden)
         if step.state is StepState.PENDING:
             self._schedule(step)
         if step.state is not StepState.READY:
             # while its own bucket compiles, a batch pads into a larger bucket that is ready
             # (more padding rows cost far less than an eager step), else it runs eagerly
             step = self._ready_larger(key)
-            if step is None:
-                return None
-        batch = self.padded_batch(inp, step.key)
-        return self._run(step, batch, len(inp.extend_lens))
+        return step
 
     def _ready_larger(self, key: StepKey) -> CapturedStep | None:
         """The smallest ready step like `key` but for a larger bucket."""
@@ -223,6 +271,31 @@ class GraphRunner:
             hidden = torch.cat([hidden, hidden.new_zeros((pad * q, hidden.shape[1]))])
         return ctx, ids, hidden
 
+    def padded_round(
+        self, inp, chain_positions: list[int], key: StepKey
+    ) -> tuple[tuple[ForwardContext, ...], torch.Tensor, torch.Tensor]:
+        """A draft round's batch padded to `key.bucket`: (the extend's context, then one
+        context per chained step, with metadata; the extend's input ids; hidden states)."""
+        ctx, ids, hidden = self.padded_batch(inp, key)
+        pad = key.bucket - len(chain_positions)
+        pools = list(inp.req_pool_indices) + [self.pad_req] * pad
+        contexts = [ctx]
+        for i in range(1, key.draft_steps):
+            chained = ForwardContext.build(
+                ForwardMode.DECODE,
+                pools,
+                [p + i - 1 for p in chain_positions] + [0] * pad,
+                [1] * key.bucket,
+                out_cache_loc=None,
+                req_to_token=self.runner.slot_table.req_to_token,
+                kv_pool=self.runner.kv_pool,
+                capture_hidden_mode=CaptureHiddenMode.LAST,
+                logits_row_indices=None,
+            )
+            chained.attn_metadata = self.runner.kv_pool.prepare(chained, self._entries)
+            contexts.append(chained)
+        return tuple(contexts), ids, hidden
+
     def _entries(self, ratio: int, needed: int) -> int:
         """Compressed entries (key blocks) laid out for a captured step (see the module
         docstring)."""
@@ -239,6 +312,9 @@ class GraphRunner:
             mark_dynamic_dims(ctx)
             with torch.compiler.set_stance(skip_guard_eval_unsafe=SKIP_GUARDS):
                 logits, states = step.fn(ctx, ids, hidden, key.spec_step_idx)
+        if key.draft_steps:  # the round's drafts `[bucket, steps]`
+            drafts = logits[:batch_size]
+            return LogitsProcessorOutput(drafts.clone() if self.cuda else drafts, None)
         rows = batch_size * key.rows_per_req
         logits = logits[: batch_size if key.logits == _LOGITS_PER_REQUEST else rows]
         if states is not None:
@@ -257,19 +333,22 @@ class GraphRunner:
             step = self._steps.get(key)
             if step is None:
                 name = f"captured_{key.mode.name.lower()}_{key.rows_per_req}x{key.bucket}"
+                if key.draft_steps:
+                    name = f"captured_draft_round_{key.draft_steps}x{key.bucket}"
                 like = None if hidden is None else hidden.new_zeros((0, hidden.shape[1]))
-                step = CapturedStep(key, self._step_function(name), hidden_like=like)
+                step = CapturedStep(key, self._step_function(name, key), hidden_like=like)
                 self._steps[key] = step
             return step
 
-    def _step_function(self, name: str) -> Callable:
+    def _step_function(self, name: str, key: StepKey) -> Callable:
         call_model = self.runner.call_model
 
         def step(ctx, input_ids, hidden, spec_step_idx):
             out = call_model(ctx, input_ids, hidden, spec_step_idx)
             return out.next_token_logits, out.hidden_states
 
-        fn = fresh_function(step, name)
+        body = draft_round_function(self.runner, key) if key.draft_steps else step
+        fn = fresh_function(body, name)
         if self.cuda and not self.config.torch_compile:
             return fn
         mode = "max-autotune-no-cudagraphs" if self.cuda else None
@@ -311,7 +390,11 @@ class GraphRunner:
         try:
             with torch.inference_mode(), _compile_lock:
                 self.configure_regions()
-                batch = self.padded_batch(self._padding_input(step), step.key)
+                inp = self._padding_input(step)
+                if step.key.draft_steps:
+                    batch = self.padded_round(inp, [], step.key)
+                else:
+                    batch = self.padded_batch(inp, step.key)
                 if self.cuda:
                     self._capture_cuda_graph(step, batch)
                 else:
@@ -417,11 +500,36 @@ def logits_rows_of(inp, rows_per_req: int) -> list[int] | None:
     return [(b + 1) * rows_per_req - 1 for b in range(len(inp.extend_lens))]
 
 
-def mark_dynamic_dims(ctx: ForwardContext) -> None:
+def mark_dynamic_dims(ctx: ForwardContext | tuple[ForwardContext, ...]) -> None:
     """The dims that grow with the context (compressed entries, key blocks) stay symbolic in
-    the graph."""
-    for tensor, dim in getattr(ctx.attn_metadata, "dynamic_dims", list)():
-        torch._dynamo.mark_dynamic(tensor, dim)
+    the graph (of every context of a draft round)."""
+    for one in ctx if isinstance(ctx, tuple) else (ctx,):
+        for tensor, dim in getattr(one.attn_metadata, "dynamic_dims", list)():
+            torch._dynamo.mark_dynamic(tensor, dim)
+
+
+def draft_round_function(runner, key: StepKey) -> Callable:
+    """The body of a captured draft round (`GraphRunner.try_draft_round`): the extend, then
+    the chained steps, each request's next token the argmax of its logits row (what the
+    step-by-step drafter picks without a grammar). Returns (drafts `[bucket, steps]`,
+    None)."""
+    call_model = runner.call_model
+    canonical = getattr(runner.model, "canonical_spec_step", None)
+    step_indices = tuple(
+        i if canonical is None else canonical(i) for i in range(1, key.draft_steps)
+    )
+
+    def draft_round(contexts, input_ids, hidden, spec_step_idx):
+        out = call_model(contexts[0], input_ids, hidden, spec_step_idx)
+        tokens, hidden = out.next_token_logits.argmax(-1), out.hidden_states
+        drafts = [tokens]
+        for ctx, step_idx in zip(contexts[1:], step_indices):
+            out = call_model(ctx, tokens, hidden, step_idx)
+            tokens, hidden = out.next_token_logits.argmax(-1), out.hidden_states
+            drafts.append(tokens)
+        return torch.stack(drafts, dim=1), None
+
+    return draft_round
 
 
 def configure_compiler(config: CaptureConfig) -> None:

@@ -161,6 +161,18 @@ class ModelRunner:
             ctx, inp.input_ids.to(self.device), inp.captured_hidden_states, inp.spec_step_idx
         )
 
+    @torch.inference_mode()
+    def draft_round(
+        self, inp: ModelInput, chain_positions: list[int], num_steps: int
+    ) -> torch.Tensor | None:
+        """A greedy draft round in one captured graph (`GraphRunner.try_draft_round`): the
+        drafts `[bs, num_steps]`, or None where the round must run step by step (no
+        captured steps, a multi-rank replica, a batch that is not capturable, or a bucket
+        still compiling)."""
+        if self.graph_runner is None or self.broadcaster is not None:
+            return None
+        return self.graph_runner.try_draft_round(inp, chain_positions, num_steps)
+
     def commit_verified(self, req_pool_indices: torch.Tensor, num_accepted: torch.Tensor) -> None:
         """Keep the caches' state after each request's accepted rows (recurrent states); the
         same on every rank of a replica."""

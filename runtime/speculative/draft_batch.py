@@ -54,10 +54,16 @@ class DraftBatch:
         """[bs] index in `[T]` of each request's gather row."""
         return [s + g for s, g in zip(self.row_starts(), self.gather_rows)]
 
+    def has_grammar(self, keep: Sequence[int]) -> bool:
+        """Whether any of the requests `keep` drafts under a grammar."""
+        return self.pending_tokens is not None and any(
+            self.reqs[b].grammar is not None for b in keep
+        )
+
     def grammar_walk(self, keep: Sequence[int], vocab_size: int) -> DraftWalk | None:
         """A tentative walk of the proposing requests' grammars (see `DraftWalk`), or None
         when none of them has a grammar."""
-        if self.pending_tokens is None or all(self.reqs[b].grammar is None for b in keep):
+        if not self.has_grammar(keep):
             return None
         return DraftWalk(
             [self.reqs[b].grammar for b in keep],

@@ -4,7 +4,10 @@ NEXTN: one draft extend, then single-token steps.
 
 The draft first runs over every row of a `DraftBatch` (filling its own KV), takes the
 prediction at each request's gather row, then chains `num_steps - 1` single-token steps
-on its own output hidden. Drafting is greedy whatever the request's sampling parameters
+on its own output hidden. Where every request proposes and none has a grammar, the whole
+round (extend, argmax, chained steps) runs as one captured graph when the draft's runner
+has one (`ModelRunner.draft_round`, SGLang's EAGLE draft CUDA graph); otherwise, or while
+that graph compiles, step by step. Drafting is greedy whatever the request's sampling parameters
 (the acceptance rule keeps sampling exact); a request with a grammar drafts greedily among
 the tokens its grammar allows (`DraftWalk`), so its drafts can be accepted.
 """
@@ -29,8 +32,16 @@ class MTPDrafter:
         """`num_steps` draft tokens per request, or None where `batch.propose[b]` is False
         (a prefill chunk that only fills the draft's cache)."""
         batch = batch.drop_leading_rows(self._rows_to_skip(batch))
-        out = self._extend(batch)
         keep = batch.proposing()
+        if len(keep) == batch.batch_size and not batch.has_grammar(keep):
+            drafts = self.runner.draft_round(
+                self._extend_input(batch),
+                [batch.first_chain_position(b) for b in keep],
+                self.num_steps,
+            )
+            if drafts is not None:
+                return drafts.tolist()
+        out = self._extend(batch)
         result: list[list[int] | None] = [None] * batch.batch_size
         if not keep:
             return result
@@ -61,18 +72,20 @@ class MTPDrafter:
 
     def _extend(self, batch: DraftBatch) -> LogitsProcessorOutput:
         """The draft over every row; logits and hidden `[bs, ...]` at the gather rows."""
-        return self.runner.forward(
-            ModelInput(
-                ForwardMode.DRAFT_EXTEND,
-                batch.next_tokens,
-                batch.req_pool_indices,
-                batch.prefix_lens,
-                batch.extend_lens,
-                capture_hidden_mode=CaptureHiddenMode.LAST,
-                captured_hidden_states=batch.target_hidden,
-                logits_row_indices=batch.gather_indices(),
-                hidden_rows=HiddenRows(TARGET, batch.target_rows),
-            )
+        return self.runner.forward(self._extend_input(batch))
+
+    @staticmethod
+    def _extend_input(batch: DraftBatch) -> ModelInput:
+        return ModelInput(
+            ForwardMode.DRAFT_EXTEND,
+            batch.next_tokens,
+            batch.req_pool_indices,
+            batch.prefix_lens,
+            batch.extend_lens,
+            capture_hidden_mode=CaptureHiddenMode.LAST,
+            captured_hidden_states=batch.target_hidden,
+            logits_row_indices=batch.gather_indices(),
+            hidden_rows=HiddenRows(TARGET, batch.target_rows),
         )
 
     def _chain(

@@ -12,6 +12,7 @@ the engine-level ones are `slow`.
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -21,10 +22,12 @@ from runtime.cache import PagedTokenAllocator, ReqToTokenPool, SlotTable
 from runtime.configs.capture import DISABLE_ENV, CaptureConfig
 from runtime.configs.model_config import ModelConfig
 from runtime.core.forward_mode import CaptureHiddenMode, ForwardMode
-from runtime.execution.graph_runner import GraphRunner, StepState
+from runtime.execution.graph_runner import GraphRunner, StepState, draft_round_function
 from runtime.execution.model_runner import ModelInput, ModelRunner
 from runtime.model_loader.build import load_model
 from runtime.models.registry import model_classes
+from runtime.speculative.draft_batch import DraftBatch
+from runtime.speculative.drafter import MTPDrafter
 from tests.engine.test_engine import hf_greedy
 from tests.tiny_checkpoints import (
     build_tiny_qwen4_exp_mtp_checkpoint,
@@ -178,6 +181,25 @@ def test_decode_verify_and_draft_steps_trace_to_one_graph(family, request):
         assert_one_graph(drafter, inp)
 
 
+@pytest.mark.parametrize("family", ["deepseek_v4", "qwen4_exp"])
+def test_draft_round_traces_to_one_graph(family, request):
+    """The merged draft round (extend, argmax, two chained steps) is one graph too."""
+    table, target, drafter = make_runners(checkpoint_of(family, request)[0])
+    _, draft_steps = nextn_step_inputs(table, target, drafter)
+    extend = draft_steps["extend"]
+    graph_runner = GraphRunner(drafter, bucket_config(), 8)
+    key = graph_runner.round_key(extend, 3)
+    assert key is not None, "a uniform draft extend over verified rows must be capturable"
+    positions = [p + g + 1 for p, g in zip(extend.prefix_lens, (0, 2, 1))]
+    contexts, ids, hidden = graph_runner.padded_round(extend, positions, key)
+    assert len(contexts) == 3
+    round_fn = draft_round_function(drafter, key)
+    with torch.inference_mode():
+        explanation = torch._dynamo.explain(round_fn)(contexts, ids, hidden, key.spec_step_idx)
+    reasons = [b.reason for b in explanation.break_reasons]
+    assert (explanation.graph_count, explanation.graph_break_count) == (1, 0), reasons
+
+
 # ---------------------------------------------------------------------------------------
 # captured == eager
 
@@ -241,6 +263,87 @@ def test_captured_decode_matches_eager_logits_with_padding_and_churn(family, req
             tokens[i], lengths[i] = token, lengths[i] + 1
     assert [s for _, s, _ in graph_runner.compiled_steps()] == ["ready", "compiling"]
     assert replayed == [BUCKET] * 8
+
+
+@pytest.mark.parametrize("family", ["deepseek_v4", "qwen4_exp"])
+def test_captured_draft_round_matches_eager_drafter(family, request):
+    """Draft rounds of 1 to 4 live requests in bucket 4 (requests join and leave between
+    rounds, each round accepts a different number of drafts per request; one live request
+    pads into bucket 4 while its own bucket 1 is compiling): the merged captured round
+    (extend over the verified rows and the chained steps in one graph) proposes exactly the
+    eager step-by-step drafter's tokens from the same caches."""
+    steps, width = 3, 4
+    table, target, runner = make_runners(checkpoint_of(family, request)[0], steps=steps)
+    graph_runner = GraphRunner(runner, bucket_config(batch_sizes=(1, BUCKET)), 8)
+    drafter = MTPDrafter(runner, steps)
+    rounds = []
+    run_step = graph_runner._run
+    graph_runner._run = lambda step, *a: rounds.append(step.key) or run_step(step, *a)
+    g = torch.Generator().manual_seed(11)
+    prompts = prompts_of((30, 7, 66, 12), seed=5)
+
+    def join(indices):
+        """Target prefill, then the eager draft over the prompt rows (fills its cache)."""
+        chosen = [prompts[i] for i in indices]
+        reqs = prefill(table, target, chosen)
+        hidden = target.forward(
+            ModelInput(
+                ForwardMode.EXTEND,
+                torch.tensor([t for p in chosen for t in p]),
+                reqs,
+                [0] * len(chosen),
+                [len(p) for p in chosen],
+                capture_hidden_mode=CaptureHiddenMode.FULL,
+            )
+        ).hidden_states
+        batch = DraftBatch(
+            reqs=[SimpleNamespace(req_pool_idx=r, grammar=None) for r in reqs],
+            prefix_lens=[0] * len(chosen),
+            extend_lens=[len(p) for p in chosen],
+            next_tokens=torch.tensor([t for p in chosen for t in p[1:] + [p[0]]]),
+            target_hidden=hidden,
+            gather_rows=[len(p) - 1 for p in chosen],
+            propose=[True] * len(chosen),
+        )
+        runner.graph_runner = None
+        drafter.draft(batch)
+        return dict(zip(indices, reqs)), hidden.shape[1]
+
+    live, hidden_width = join([0, 1, 2])
+    lengths = {i: len(prompts[i]) for i in live}
+    for step in range(7):
+        if step == 3:  # a fourth request joins
+            joined, _ = join([3])
+            live.update(joined)
+            lengths[3] = len(prompts[3])
+        if step == 5:  # three leave
+            del live[0], live[2], live[3]
+        order = sorted(live)
+        bs = len(order)
+        accepted = torch.randint(0, width, (bs,), generator=g).tolist()
+        batch = DraftBatch(
+            reqs=[SimpleNamespace(req_pool_idx=live[i], grammar=None) for i in order],
+            prefix_lens=[lengths[i] for i in order],
+            extend_lens=[width] * bs,
+            next_tokens=torch.randint(2, 97, (bs * width,), generator=g),
+            target_hidden=torch.randn(bs * width, hidden_width, generator=g),
+            gather_rows=accepted,
+            propose=[True] * bs,
+        )
+        if bs == 1:  # bucket 1 still compiling: the round pads into bucket 4
+            key = graph_runner.round_key(drafter._extend_input(batch), steps)
+            graph_runner._step(key, batch.target_hidden).state = StepState.COMPILING
+        rewind = state_rewind(runner.kv_pool)
+        runner.graph_runner = None
+        eager = drafter.draft(batch)
+        rewind()
+        runner.graph_runner = graph_runner
+        captured = drafter.draft(batch)
+        assert captured == eager, f"round {step}"
+        assert rounds[-1].draft_steps == steps and rounds[-1].bucket == BUCKET
+        for i, m in zip(order, accepted):
+            lengths[i] += m + 1
+    assert len(rounds) == 7
 
 
 # ---------------------------------------------------------------------------------------
