@@ -15,20 +15,27 @@ from scripts.bench.variants import Variant, greedy_params
 
 
 class ForwardTimer:
-    """Wraps a runner's `forward` and `build_context` (instance attributes shadow the class
-    methods, so the workers call the wrappers) and sums their wall time."""
+    """Wraps a runner's `forward`, `draft_round` (a whole captured draft round) and
+    `build_context` (instance attributes shadow the class methods, so the workers call the
+    wrappers) and sums their wall time."""
 
     def __init__(self, runner):
         self.runner, self.forward_s, self.context_s = runner, 0.0, 0.0
         forward = runner.forward
+        draft_round = getattr(runner, "draft_round", None)
         build = getattr(runner, "build_context", None)  # optional: only splits the report
 
-        def timed_forward(inp):
-            start = time.perf_counter()
-            try:
-                return forward(inp)
-            finally:
-                self.forward_s += time.perf_counter() - start
+        def timed(fn):
+            def call(*args):
+                start = time.perf_counter()
+                try:
+                    return fn(*args)
+                finally:
+                    self.forward_s += time.perf_counter() - start
+
+            return call
+
+        timed_forward = timed(forward)
 
         def timed_build(inp):
             start = time.perf_counter()
@@ -38,6 +45,8 @@ class ForwardTimer:
                 self.context_s += time.perf_counter() - start
 
         runner.forward = timed_forward
+        if draft_round is not None:
+            runner.draft_round = timed(draft_round)
         if build is not None:
             runner.build_context = timed_build
 
@@ -45,7 +54,7 @@ class ForwardTimer:
         self.forward_s = self.context_s = 0.0
 
     def remove(self) -> None:
-        for name in ("forward", "build_context"):
+        for name in ("forward", "draft_round", "build_context"):
             self.runner.__dict__.pop(name, None)  # the class methods show through again
 
 
