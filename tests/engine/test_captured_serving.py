@@ -42,7 +42,8 @@ def ckpt(request, tmp_path_factory):
 
 def capture(engine: Engine) -> dict[str, list[tuple[ForwardMode, bool]]]:
     """Give the engine's runners captured steps; returns, per runner role, the mode of each
-    of its forwards that has a captured step and whether it replayed it."""
+    of its forwards that has a captured step and whether it replayed it (a whole captured
+    draft round counts as the draft extend it starts with)."""
     runners = [engine.runner] + ([engine.worker.drafter.runner] if engine.spec_config else [])
     replays = {}
     for runner in runners:
@@ -55,7 +56,16 @@ def capture(engine: Engine) -> dict[str, list[tuple[ForwardMode, bool]]]:
                 seen.append((inp.forward_mode, out is not None))
             return out
 
+        def try_draft_round(
+            inp, *args, graph_runner=graph_runner, real=graph_runner.try_draft_round, seen=seen
+        ):
+            out = real(inp, *args)
+            if graph_runner.round_key(inp, args[-1]) is not None:  # the extend and the chain
+                seen.append((ForwardMode.DRAFT_EXTEND, out is not None))
+            return out
+
         graph_runner.try_forward = try_forward
+        graph_runner.try_draft_round = try_draft_round
         runner.graph_runner = graph_runner
     return replays
 
