@@ -151,7 +151,7 @@ class PLELayer(nn.Module):
         else:
             access = meta.ple_tokens
             history = gather_ring(
-                ring_buf.unsqueeze(1), input_ids.unsqueeze(1), access.read_idx
+                ring_buf.unsqueeze(1), input_ids.unsqueeze(1), access
             ).squeeze(-1)
             valid = access.read_valid
             ring_buf[access.write_loc] = input_ids[access.write_rows]

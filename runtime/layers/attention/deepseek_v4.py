@@ -118,7 +118,7 @@ class DeepseekV4Compressor(nn.Module):
         """Ragged rows: entries for the rows that close a block, then the ring writes."""
         state_rows = self.state_rows(x, ctx.positions)
         if access.boundary_rows.numel():
-            window = gather_ring(state_buf, state_rows, access.state.read_idx)
+            window = gather_ring(state_buf, state_rows, access.state)
             entries = self.make_entries(
                 window, access.state.read_valid, access.entry_pos, rope, x.dtype
             )
@@ -295,7 +295,7 @@ class DeepseekV4Attention(nn.Module):
         pool: DeepseekV4KVPool = ctx.kv_pool
         tiles, window = meta.tiles, meta.window
         swa_buf = pool.swa_kv[self.cache_layer]
-        tile_kv, tile_valid = gather_ring(swa_buf, kv, window.ring.read_idx), window.valid
+        tile_kv, tile_valid = gather_ring(swa_buf, kv, window.ring), window.valid
         swa_buf[window.ring.write_loc] = kv[window.ring.write_rows].to(swa_buf.dtype)
 
         row_kv = row_valid = None
