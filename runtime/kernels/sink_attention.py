@@ -92,22 +92,29 @@ def tiled_sink_attention(
     num_tiles, tile_len = tile_rows.shape
     width = tile_kv.shape[1]
     tile_q = torch.cat([q, q.new_zeros(1, heads, dim)])[tile_rows]  # [N, R, H, D]
+    if row_kv is None:
+        # The sink as one more key: a zero key scores exactly 0, to which the sink logit is
+        # added, and adds exactly nothing to the output; the scores are written once,
+        # already in the softmax's layout (no concatenation of [N, R, H, K] tensors).
+        tile_kv = torch.cat([tile_kv, tile_kv.new_zeros(num_tiles, 1, dim)], dim=1)
     scores = torch.bmm(tile_q.view(num_tiles, tile_len * heads, dim), tile_kv.transpose(1, 2))
-    scores = scores.float().mul_(scale).view(num_tiles, tile_len, heads, width)
-    parts = [scores.add_(mask_bias(tile_valid).unsqueeze(2))]  # one mask for all heads
-    if row_kv is not None:
-        row_scores = torch.bmm(q, row_kv.transpose(1, 2)).float().mul_(scale)
-        row_scores = row_scores.masked_fill_(~row_valid.unsqueeze(1), float("-inf"))
-        pad = row_scores.new_full((1, heads, row_scores.shape[-1]), float("-inf"))
-        parts.append(torch.cat([row_scores, pad])[tile_rows])  # [N, R, H, Kr]
+    scores = scores.float().mul_(scale).view(num_tiles, tile_len, heads, -1)
+    scores[..., :width].add_(mask_bias(tile_valid).unsqueeze(2))  # one mask for all heads
+    if row_kv is None:
+        scores[..., width].add_(sink.float())
+        probs = torch.softmax(scores, dim=-1).to(q.dtype)  # [N, R, H, K + 1]
+        out = torch.bmm(probs.view(num_tiles, tile_len * heads, -1), tile_kv)
+        return out.view(num_tiles * tile_len, heads, dim)[row_slot]
+    row_scores = torch.bmm(q, row_kv.transpose(1, 2)).float().mul_(scale)
+    row_scores = row_scores.masked_fill_(~row_valid.unsqueeze(1), float("-inf"))
+    pad = row_scores.new_full((1, heads, row_scores.shape[-1]), float("-inf"))
+    parts = [scores, torch.cat([row_scores, pad])[tile_rows]]  # [N, R, H, Kr]
     parts.append(sink.float().view(1, 1, -1, 1).expand(num_tiles, tile_len, -1, 1))
     probs = torch.softmax(torch.cat(parts, dim=-1), dim=-1).to(q.dtype)  # [N, R, H, K + 1]
     shared = probs[..., :width].reshape(num_tiles, tile_len * heads, width)
     out = torch.bmm(shared, tile_kv).view(num_tiles * tile_len, heads, dim)[row_slot]
-    if row_kv is not None:
-        own = probs[..., width:-1].reshape(num_tiles * tile_len, heads, -1)[row_slot]
-        out = out + torch.bmm(own, row_kv)
-    return out
+    own = probs[..., width:-1].reshape(num_tiles * tile_len, heads, -1)[row_slot]
+    return out + torch.bmm(own, row_kv)
 
 
 def grouped_sink_attention(
