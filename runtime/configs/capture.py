@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-CAPTURE_COMPILE_MODES = ("background", "inline")
+CAPTURE_COMPILE_MODES = ("background", "inline", "startup")
 DISABLE_ENV = "NEXTN_DISABLE_CUDA_GRAPH"  # set (non-empty): every engine runs steps eagerly
 # SGLang's default capture ladder
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256)
@@ -31,7 +31,8 @@ class CaptureConfig:
     `torch_compile`: on CUDA, compile the step before graph capture (`--enable-torch-compile`);
     on CPU the capture is always a compile. `background`: compile a bucket on a worker
     thread the first time it is needed and serve that step eagerly meanwhile (False: compile
-    in the calling thread, which then waits). `cache_dir`: compiled artifacts on disk.
+    in the calling thread, which then waits; the engine's `startup` mode compiles every
+    bucket before serving, in the calling thread too). `cache_dir`: compiled artifacts on disk.
     `inductor_options`: passed to `torch.compile(options=...)` on CPU."""
 
     enabled: bool = True

@@ -139,7 +139,8 @@ class EngineConfig:
     capture_compile: str = setting(
         "background",
         "when a batch bucket's graph is built: background (its steps run eagerly until it is "
-        "ready) or inline (the first step that needs it waits)",
+        "ready), inline (the first step that needs it waits) or startup (every step kind at "
+        "every bucket before the engine serves, as SGLang captures at start-up)",
     )
 
     # checks ------------------------------------------------------------------------------

@@ -30,6 +30,7 @@ from runtime.core.request import FinishReason, Req
 from runtime.core.result import RequestResult
 from runtime.core.sampling_params import SamplingParams
 from runtime.core.stats import EngineInfo, EngineStats
+from runtime.engine.capture_warmup import compile_at_startup
 from runtime.engine.fanout import fan_out
 from runtime.engine.ranks import RankMemory, ReplicaLeader, memory_report
 from runtime.engine.request_limits import RequestLimits, longest_token_chars
@@ -60,6 +61,8 @@ class Engine:
         self.leader = ReplicaLeader(config) if multi_rank else None
         try:
             self._build(config, progress)
+            if config.capture_compile == "startup":
+                compile_at_startup(self, progress=progress)
         except BaseException:
             if self.leader is not None:
                 self.leader.shutdown()

@@ -1,0 +1,69 @@
+# SPDX-License-Identifier: Apache-2.0
+"""`--capture-compile startup`: every step kind the engine runs is compiled at every bucket
+before the engine serves, the warm-up leaves nothing behind, and the engine then serves
+plain decoding's tokens.
+
+Compiling is stubbed (the step's eager function is kept and marked ready): what is checked
+is which steps get compiled, that the padded captured path then serves every batch size,
+and that the warm-up request is gone from the prefix cache; `test_captured_steps.py`
+compiles for real.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from runtime import Engine
+from runtime.configs.capture import DISABLE_ENV
+from runtime.execution.graph_runner import GraphRunner, StepState
+from tests.engine.test_captured_steps import prompts_of, staggered_generate
+from tests.tiny_checkpoints import build_tiny_v4_mtp_checkpoint
+
+BUCKETS = (1, 2, 4)
+
+
+@pytest.fixture(scope="module")
+def v4_mtp_ckpt(tmp_path_factory):
+    return build_tiny_v4_mtp_checkpoint(tmp_path_factory.mktemp("capture_startup"), seed=2)[0]
+
+
+@pytest.fixture
+def stubbed_compiles(monkeypatch):
+    """Record each compiled step; the step keeps its eager function (no inductor here)."""
+    compiled = []
+
+    def fake_compile(self, step):
+        compiled.append((self.runner.role, step.key))
+        step.fn = getattr(step.fn, "_torchdynamo_orig_callable", step.fn)
+        step.state = StepState.READY
+
+    monkeypatch.setattr(GraphRunner, "_compile", fake_compile)
+    monkeypatch.delenv(DISABLE_ENV, raising=False)
+    return compiled
+
+
+@pytest.mark.parametrize("spec", [{}, {"speculative_algorithm": "NEXTN"}], ids=["plain", "nextn"])
+def test_startup_compiles_every_kind_at_every_bucket_then_serves(
+    v4_mtp_ckpt, stubbed_compiles, spec
+):
+    common = dict(model_path=str(v4_mtp_ckpt), dtype="float32", page_size=4, **spec)
+    prompts = prompts_of((5, 17, 9, 30, 12), seed=6)
+    lengths = [14, 6, 20, 9, 11]
+    reference = staggered_generate(Engine(**common, disable_cuda_graph=True), prompts, lengths)
+
+    engine = Engine(**common, cuda_graph_bs=list(BUCKETS), capture_compile="startup")
+    compiled = list(stubbed_compiles)
+    kinds = {(role, key.mode, key.rows_per_req, key.spec_step_idx) for role, key in compiled}
+    roles = {role for role, _ in compiled}
+    assert roles == ({"target", "draft"} if spec else {"target"})
+    assert len(compiled) == len(set(compiled)) == len(kinds) * len(BUCKETS)
+    for role, key in compiled:  # each kind at each bucket, nothing twice
+        assert {
+            k.bucket
+            for r, k in compiled
+            if r == role and k.mode == key.mode and k.spec_step_idx == key.spec_step_idx
+        } == set(BUCKETS)
+    assert engine.prefix_cache.stats().cached_tokens == 0  # the warm-up is forgotten
+
+    assert staggered_generate(engine, prompts, lengths) == reference
+    assert stubbed_compiles == compiled  # serving compiled nothing more
