@@ -106,6 +106,7 @@ def measure(engine, variant: Variant, args, dataset) -> dict:
     if not args.skip_warmup:
         run_all(engine, args, warmup_subset(dataset), "warmup")
         compile_captured_buckets(engine, min(len(dataset), engine.config.max_running_requests))
+        engine.flush_cache()  # the timed run must not reuse the warm-up's prompts
     before = spec_counters(engine)
     results, duration = run_all(engine, args, dataset, variant.label)
     ok = [r for r in results if r["meta_info"]["finish_reason"]["type"] != "abort"]

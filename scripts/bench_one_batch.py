@@ -65,6 +65,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help='prompt file (JSONL with "prompt", or one per line): each batch takes the first '
         "input-len tokens of prompts at least that long, instead of random token ids",
     )
+    p.add_argument(
+        "--prefill-repeats",
+        type=int,
+        default=1,
+        help="time each batch's prefill this many times (the measured batch's own prefill, "
+        "then fresh prefills of the same prompts with the prefix cache flushed; HF the "
+        "same) and report the median: one prefill per batch size is a single timing",
+    )
     p.add_argument("--run-name", default="default", help="tag stored in the JSONL records")
     p.add_argument("--result-filename", help="append one JSONL record per row")
     flags.add_hf_baseline_arg(p)
@@ -79,6 +87,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for name in ("batch_size", "input_len"):
         if min(getattr(args, name)) < 1:
             p.error(f"--{name.replace('_', '-')} values must be >= 1")
+    if args.prefill_repeats < 1:
+        p.error("--prefill-repeats must be >= 1")
     if min(args.output_len) < 2:
         p.error(
             "--output-len values must be >= 2 (the prefill token plus at least one decode step)"
@@ -113,6 +123,22 @@ def run_batch(engine, prompts: list[list[int]], output_len: int) -> tuple[list, 
     return reqs, prefill, times, tokens
 
 
+def time_prefill(engine, prompts: list[list[int]]) -> float:
+    """Seconds of one prefill step of `prompts` on an idle engine whose prefix cache holds
+    nothing of them (flushed before and after)."""
+    engine.flush_cache()
+    reqs = [engine.make_request(ids, greedy_params(1)) for ids in prompts]
+    for req in reqs:
+        engine.add_request(req)
+    start = time.perf_counter()
+    engine.step()
+    seconds = time.perf_counter() - start
+    while engine.has_work():  # nothing left after one step unless the pools were short
+        engine.step()
+    engine.flush_cache()
+    return seconds
+
+
 def measure_setting(engine, variant: Variant, args, setting: tuple[int, int, int]) -> dict:
     """One row: latency and throughput of one static batch, printed SGLang-style."""
     bs, input_len, output_len = setting
@@ -120,8 +146,12 @@ def measure_setting(engine, variant: Variant, args, setting: tuple[int, int, int
         args.seed, bs, input_len, engine.model_config.vocab_size, args.file_prompts
     )
     before, retractions = spec_counters(engine), engine.scheduler.num_retractions
+    engine.flush_cache()
     reqs, prefill, times, tokens = run_batch(engine, prompts, output_len)
     accept = accept_length_between(before, spec_counters(engine))
+    if args.prefill_repeats > 1:
+        repeats = [time_prefill(engine, prompts) for _ in range(args.prefill_repeats - 1)]
+        prefill = statistics.median([prefill, *repeats])
     generated = sum(len(r.output_ids) for r in reqs)
     if generated != bs * output_len or any(r.finish_reason.type != "length" for r in reqs):
         raise RuntimeError(

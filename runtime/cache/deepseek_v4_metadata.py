@@ -299,9 +299,13 @@ def query_tiles(ctx: ForwardContext) -> QueryTiles:
 
 
 def window_access(ctx: ForwardContext, pool, tiles: QueryTiles) -> WindowAccess:
-    """Sliding-window keys of every tile: its rows read positions `p - window + 1 .. p`."""
+    """Sliding-window keys of every tile: its rows read positions `p - window + 1 .. p`.
+    A tile reads the `W + R - 1` positions ending at its last row, or fewer when no request
+    is that long yet: `[last - width + 1, last]` still covers every key its rows see from
+    position 0 (a prompt shorter than the window attends over its own length, not the
+    window's)."""
     window = pool.layout.sliding_window
-    width = window + tiles.rows.shape[1] - 1
+    width = min(window + tiles.rows.shape[1] - 1, max(ctx.seq_lens_cpu, default=1))
     offsets = torch.arange(width - 1, -1, -1, device=ctx.device)
     key_pos = ctx.positions[tiles.last_row].unsqueeze(1) - offsets
     ring = ring_access(ctx, tiles.last_row, key_pos, pool.swa_ring, pool.swa_kv[0].shape[0])

@@ -31,6 +31,10 @@ class RingAccess:
     read_valid: torch.Tensor  # [R, L] key position exists (>= 0)
     write_rows: torch.Tensor  # [n] fresh rows that go into the ring
     write_loc: torch.Tensor  # [n] their ring rows
+    # No request has a cached prefix (a first prefill chunk): every existing key is fresh,
+    # and `fresh_idx` [R, L] (the fresh row, 0 where the key does not exist) reads it
+    # directly. None otherwise.
+    fresh_idx: torch.Tensor | None = None
 
 
 def ring_access(
@@ -51,4 +55,7 @@ def ring_access(
     keep = ctx.positions >= ctx.seq_lens[all_req] - ring
     write_rows = keep.nonzero().squeeze(1)
     write_loc = ctx.req_pool_indices[all_req[write_rows]] * ring + ctx.positions[write_rows] % ring
-    return RingAccess(read_idx, valid, write_rows, write_loc)
+    fresh_idx = None
+    if not any(ctx.prefix_lens_cpu):
+        fresh_idx = torch.where(valid, start + key_pos, 0)
+    return RingAccess(read_idx, valid, write_rows, write_loc, fresh_idx)

@@ -109,6 +109,11 @@ class ModelRunner:
             if self.graph_runner.capturable:
                 logger.info("%s", self.graph_runner.describe())
 
+    def captures(self, inp: ModelInput) -> bool:
+        """Whether `inp` has a captured step (compiled or not yet) rather than running
+        eagerly."""
+        return self.graph_runner is not None and self.graph_runner.step_key(inp) is not None
+
     def build_context(self, inp: ModelInput) -> ForwardContext:
         rows = inp.logits_row_indices
         if rows is _DEFAULT_ROWS:

@@ -165,17 +165,34 @@ class PlainWorker:
     def step(
         self, prefill: Sequence[Chunk], decode: Sequence
     ) -> tuple[list[TokenOutput], list[TokenOutput]]:
-        chunks = list(prefill) + [Chunk(r, r.seq_len - 1, r.seq_len) for r in decode]
-        all_single = all(c.length == 1 for c in chunks) and not prefill
-        inp = chunk_input(chunks, ForwardMode.DECODE if all_single else ForwardMode.EXTEND)
+        decoding = [Chunk(r, r.seq_len - 1, r.seq_len) for r in decode]
+        chunks = list(prefill) + decoding
         rows = LogitRows(chunks)
-        inp.logits_row_indices = rows.rows
         bitmask = sampling_bitmask(chunks, self.vocab_size)  # host work before the forward
-        logits = self.target.forward(inp).next_token_logits
+        if prefill and decoding and self.target.captures(chunk_input(decoding, ForwardMode.DECODE)):
+            # A mixed step whose decode rows have a captured decode step: they replay it and
+            # only the prompt chunks run eagerly (in the ragged forward, each decode row
+            # would take a query tile and key window of its own). The logits come out in
+            # the one-forward layout (every chunk's rows in order), so sampling is the same.
+            logits = torch.cat(
+                [
+                    self._logits(list(prefill), ForwardMode.EXTEND),
+                    self._logits(decoding, ForwardMode.DECODE),
+                ]
+            )
+        else:
+            all_single = all(c.length == 1 for c in chunks) and not prefill
+            logits = self._logits(chunks, ForwardMode.DECODE if all_single else ForwardMode.EXTEND)
         outputs = chunk_outputs(
             chunks, rows, logits, self.vocab_size, self.eos_ids, self.generator, bitmask
         )
         return outputs[: len(prefill)], outputs[len(prefill) :]
+
+    def _logits(self, chunks: list[Chunk], mode: ForwardMode) -> torch.Tensor:
+        """The target forward over `chunks`: logits of their `LogitRows` rows, in order."""
+        inp = chunk_input(chunks, mode)
+        inp.logits_row_indices = LogitRows(chunks).rows
+        return self.target.forward(inp).next_token_logits
 
 
 def sampling_bitmask(chunks: Sequence[Chunk], vocab_size: int) -> torch.Tensor | None:

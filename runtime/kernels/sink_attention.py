@@ -37,6 +37,15 @@ def sink_attention(
     return torch.bmm(probs.to(q.dtype), kv)
 
 
+def mask_bias(valid: torch.Tensor) -> torch.Tensor:
+    """`valid` as an additive fp32 bias: 0 where true, -inf where false. Adding it equals
+    `masked_fill(~valid, -inf)` exactly (x + 0 = x), and adding a bias broadcast over the
+    heads is several times faster on CPU than a masked fill with a broadcast mask."""
+    return torch.zeros(valid.shape, dtype=torch.float32, device=valid.device).masked_fill_(
+        ~valid, float("-inf")
+    )
+
+
 def tiled_scores(
     q: torch.Tensor, tile_rows: torch.Tensor, row_slot: torch.Tensor, tile_keys: torch.Tensor
 ) -> torch.Tensor:
@@ -72,25 +81,40 @@ def tiled_sink_attention(
     `row_slot [T]` each row's index in the flattened `[N * R]` tile layout;
     `tile_kv [N, Kt, D]`, `tile_valid [N, R, Kt]`; `row_kv [T, Kr, D]`, `row_valid [T, Kr]`
     (or None). Products run in the input dtype, softmax statistics in fp32.
+
+    The scores and probabilities (`[N, R, H, K]`, the large tensors) stay in the tile
+    layout from the product to the softmax and back into the second product; only the
+    queries go in and the outputs come out through the row <-> tile gathers. A padding row
+    of a short tile sees no key (its scores are all masked, so its probabilities are
+    the sink's alone) and its output is dropped.
     """
     num_rows, heads, dim = q.shape
     num_tiles, tile_len = tile_rows.shape
-    tile_scores = tiled_scores(q, tile_rows, row_slot, tile_kv).float() * scale
-    tile_mask = tile_valid.reshape(num_tiles * tile_len, 1, -1)[row_slot]
-    parts = [tile_scores.masked_fill(~tile_mask, float("-inf"))]
-    if row_kv is not None:
-        row_scores = torch.bmm(q, row_kv.transpose(1, 2)).float() * scale
-        parts.append(row_scores.masked_fill(~row_valid.unsqueeze(1), float("-inf")))
-    parts.append(sink.float().view(1, -1, 1).expand(num_rows, -1, 1))
-    probs = torch.softmax(torch.cat(parts, dim=-1), dim=-1)
-    probs = probs.to(q.dtype)
     width = tile_kv.shape[1]
-    tile_probs = torch.cat([probs[..., :width], probs.new_zeros(1, heads, width)])[tile_rows]
-    out = torch.bmm(tile_probs.view(num_tiles, tile_len * heads, width), tile_kv)
-    out = out.view(num_tiles * tile_len, heads, dim)[row_slot]
-    if row_kv is not None:
-        out = out + torch.bmm(probs[..., width:-1], row_kv)
-    return out
+    tile_q = torch.cat([q, q.new_zeros(1, heads, dim)])[tile_rows]  # [N, R, H, D]
+    if row_kv is None:
+        # The sink as one more key: a zero key scores exactly 0, to which the sink logit is
+        # added, and adds exactly nothing to the output; the scores are written once,
+        # already in the softmax's layout (no concatenation of [N, R, H, K] tensors).
+        tile_kv = torch.cat([tile_kv, tile_kv.new_zeros(num_tiles, 1, dim)], dim=1)
+    scores = torch.bmm(tile_q.view(num_tiles, tile_len * heads, dim), tile_kv.transpose(1, 2))
+    scores = scores.float().mul_(scale).view(num_tiles, tile_len, heads, -1)
+    scores[..., :width].add_(mask_bias(tile_valid).unsqueeze(2))  # one mask for all heads
+    if row_kv is None:
+        scores[..., width].add_(sink.float())
+        probs = torch.softmax(scores, dim=-1).to(q.dtype)  # [N, R, H, K + 1]
+        out = torch.bmm(probs.view(num_tiles, tile_len * heads, -1), tile_kv)
+        return out.view(num_tiles * tile_len, heads, dim)[row_slot]
+    row_scores = torch.bmm(q, row_kv.transpose(1, 2)).float().mul_(scale)
+    row_scores = row_scores.masked_fill_(~row_valid.unsqueeze(1), float("-inf"))
+    pad = row_scores.new_full((1, heads, row_scores.shape[-1]), float("-inf"))
+    parts = [scores, torch.cat([row_scores, pad])[tile_rows]]  # [N, R, H, Kr]
+    parts.append(sink.float().view(1, 1, -1, 1).expand(num_tiles, tile_len, -1, 1))
+    probs = torch.softmax(torch.cat(parts, dim=-1), dim=-1).to(q.dtype)  # [N, R, H, K + 1]
+    shared = probs[..., :width].reshape(num_tiles, tile_len * heads, width)
+    out = torch.bmm(shared, tile_kv).view(num_tiles * tile_len, heads, dim)[row_slot]
+    own = probs[..., width:-1].reshape(num_tiles * tile_len, heads, -1)[row_slot]
+    return out + torch.bmm(own, row_kv)
 
 
 def grouped_sink_attention(

@@ -6,9 +6,13 @@ passes, every denominator padded by eps (transformers' `DeepseekV4HyperConnectio
 
 The matrices are tiny (4 x 4) and the loop has ~80 elementwise steps, so the cost is
 per-op dispatch. On CPU with few rows, numpy's per-op overhead is about half of torch's;
-the numpy path runs the same operations in the same order (bit-identical results). A
-captured step (host code cannot be captured) runs the torch reference, which the compiler
-fuses.
+the numpy path runs the same operations in the same order (bit-identical results). With
+many rows (prefill) the torch path lays the matrices out along the last dimension
+(`[n, n, rows]`), so every row and column sum is a few contiguous vector adds over all
+matrices at once instead of a reduction over a strided 4-element axis: several times
+faster at thousands of rows, and bit-identical (the same additions in the same order).
+A captured step (host code cannot be captured) runs the torch reference, which the
+compiler fuses.
 """
 
 from __future__ import annotations
@@ -38,10 +42,25 @@ def _sinkhorn_numpy(logits: torch.Tensor, iters: int, eps: float) -> torch.Tenso
     return torch.from_numpy(comb)
 
 
+def _sinkhorn_rows_last(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    """`sinkhorn_reference` computed on `[n, n, rows]` (the softmax stays on the original
+    layout: its kernel differs by layout)."""
+    shape = logits.shape
+    flat = logits.reshape(-1, shape[-2], shape[-1])
+    comb = (torch.softmax(flat, dim=-1) + eps).permute(1, 2, 0).contiguous()
+    comb.div_(comb.sum(dim=0, keepdim=True).add_(eps))
+    for _ in range(iters - 1):
+        comb.div_(comb.sum(dim=1, keepdim=True).add_(eps))
+        comb.div_(comb.sum(dim=0, keepdim=True).add_(eps))
+    return comb.permute(2, 0, 1).contiguous().view(shape)
+
+
 def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     if in_capture():
         return sinkhorn_reference(logits, iters, eps)
     rows = logits.numel() // (logits.shape[-1] * logits.shape[-2])
     if logits.device.type == "cpu" and rows <= _NUMPY_MAX_ROWS and not torch.is_grad_enabled():
         return _sinkhorn_numpy(logits.float(), iters, eps)
+    if not torch.is_grad_enabled():
+        return _sinkhorn_rows_last(logits, iters, eps)
     return sinkhorn_reference(logits, iters, eps)

@@ -21,7 +21,7 @@ def causal_conv(
     x: torch.Tensor, weight: torch.Tensor, ring_buf: torch.Tensor, access: RingAccess
 ) -> torch.Tensor:
     """`x [T, C]` this forward's inputs, `weight [C, K]`; writes the ring and returns `[T, C]`."""
-    window = gather_ring(ring_buf, x, access.read_idx)  # [T, K, C]
+    window = gather_ring(ring_buf, x, access)  # [T, K, C]
     window = window.masked_fill(~access.read_valid.unsqueeze(-1), 0)
     out = (window.to(weight.dtype) * weight.t().unsqueeze(0)).sum(1)
     ring_buf[access.write_loc] = x[access.write_rows].to(ring_buf.dtype)

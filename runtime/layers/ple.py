@@ -150,9 +150,7 @@ class PLELayer(nn.Module):
             history, valid = ring_buf[ring.read], ring.valid
         else:
             access = meta.ple_tokens
-            history = gather_ring(
-                ring_buf.unsqueeze(1), input_ids.unsqueeze(1), access.read_idx
-            ).squeeze(-1)
+            history = gather_ring(ring_buf.unsqueeze(1), input_ids.unsqueeze(1), access).squeeze(-1)
             valid = access.read_valid
             ring_buf[access.write_loc] = input_ids[access.write_rows]
         history = history.masked_fill(~valid, eos).flip(1)  # (t_p, t_{p-1}, t_{p-2}, ...)

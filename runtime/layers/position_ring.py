@@ -9,11 +9,17 @@ from __future__ import annotations
 
 import torch
 
+from runtime.cache.ring_access import RingAccess
 
-def gather_ring(
-    ring_buf: torch.Tensor, fresh: torch.Tensor, read_idx: torch.Tensor
-) -> torch.Tensor:
-    """Rows of the virtual buffer `[ring_buf | fresh]`: `[R, L, D]`."""
+
+def gather_ring(ring_buf: torch.Tensor, fresh: torch.Tensor, access: RingAccess) -> torch.Tensor:
+    """Rows of the virtual buffer `[ring_buf | fresh]` at `access.read_idx`: `[R, L, D]`
+    (rows of keys that do not exist are arbitrary; callers mask them by `read_valid`).
+    When no request has a cached prefix, every key is one of this forward's rows: one
+    gather, with no host synchronisation."""
+    if access.fresh_idx is not None:
+        return fresh[access.fresh_idx].to(ring_buf.dtype)
+    read_idx = access.read_idx
     num_ring = ring_buf.shape[0]
     out = ring_buf[read_idx.clamp(max=num_ring - 1)]
     from_fresh = read_idx >= num_ring

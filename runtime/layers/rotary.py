@@ -99,6 +99,15 @@ class RotaryEmbedding(nn.Module):
         rd, dim = self.rotary_dim, x.shape[-1]
         lo = dim - rd if self.rotate_tail else 0
         rot = x[..., lo : lo + rd].float()
+        if self.interleaved and rd < dim and not torch.compiler.is_compiling():
+            # eager: written in place into a copy of x, with no stack of the halves and no
+            # concatenation with the channels that are not rotated (the same arithmetic;
+            # a compiled step keeps the functional form below, which the compiler fuses)
+            x1, x2 = rot[..., 0::2], rot[..., 1::2]
+            out = x.clone()
+            out[..., lo : lo + rd : 2] = x1 * cos - x2 * sin
+            out[..., lo + 1 : lo + rd : 2] = x2 * cos + x1 * sin
+            return out
         if self.interleaved:
             x1, x2 = rot[..., 0::2], rot[..., 1::2]
             out = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)

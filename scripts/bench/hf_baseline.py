@@ -99,6 +99,10 @@ def static_batch_rows(args, model_path: str, settings, reference: dict) -> list[
         ids = torch.tensor(batch_prompts(args.seed, bs, il, vocab, args.file_prompts))
         out, clock, start = hf_generate(model, ids, torch.ones_like(ids), ol)
         prefill = clock.times[1] - start
+        repeats = getattr(args, "prefill_repeats", 1)
+        if repeats > 1:  # prefill alone: generate one token
+            again = [hf_generate(model, ids, torch.ones_like(ids), 1) for _ in range(repeats - 1)]
+            prefill = statistics.median([prefill, *(c.times[1] - t for _, c, t in again)])
         decode = clock.times[-1] - clock.times[1]
         arrivals = clock.times[1:-1]  # one per new token (the last entry is the end)
         step_times = [b - a for a, b in zip(arrivals, arrivals[1:], strict=False)]

@@ -22,7 +22,7 @@ from transformers import AutoTokenizer
 
 from runtime.layers import hyper_connection
 from scripts import REPO_ROOT
-from scripts.bench import datasets
+from scripts.bench import datasets, hf_baseline
 from scripts.tiny_training.corpus import split_by_file, stdlib_sources
 from tests.tiny_checkpoints import build_tiny_v4_mtp_checkpoint, save_char_tokenizer
 
@@ -666,3 +666,44 @@ def test_multiturn_needs_the_native_backend(capsys):
     with pytest.raises(SystemExit):
         script("bench_serving").main(["--dataset-name", "multiturn", "--backend", "sglang-oai"])
     assert "use --backend sglang" in capsys.readouterr().err
+
+
+def test_one_batch_prefills_are_fresh_and_repeated(ckpt, tmp_path, monkeypatch):
+    """Every timed prefill starts from an empty prefix cache (the file has only two prompts,
+    so warm-up and measured batches share them and a cached prefix could be reused), and
+    `--prefill-repeats` times that many fresh prefills of ours and of HF's."""
+    fib = "def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n"
+    total = "for item in items:\n    total = total + item.price * item.count\n"
+    data = tmp_path / "prompts.jsonl"
+    data.write_text(json.dumps({"prompt": fib}) + "\n" + json.dumps({"prompt": total}))
+    bench = script("bench_one_batch")
+    cached_before = {"run": [], "repeat": []}
+
+    def run_batch(engine, prompts, output_len, real=bench.run_batch):
+        cached_before["run"].append(engine.prefix_cache.stats().cached_tokens)
+        return real(engine, prompts, output_len)
+
+    def time_prefill(engine, prompts, real=bench.time_prefill):
+        seconds = real(engine, prompts)
+        cached_before["repeat"].append(len(prompts))
+        return seconds
+
+    hf_new_tokens = []
+
+    def hf_generate(model, ids, mask, new_tokens, real=hf_baseline.hf_generate):
+        hf_new_tokens.append(new_tokens)
+        return real(model, ids, mask, new_tokens)
+
+    monkeypatch.setattr(bench, "run_batch", run_batch)
+    monkeypatch.setattr(bench, "time_prefill", time_prefill)
+    monkeypatch.setattr(hf_baseline, "hf_generate", hf_generate)
+    out = bench.main(
+        ["--model-path", str(ckpt), *COMMON, "--batch-size", "2", "--input-len", "40"]
+        + ["--output-len", "4", "--dataset-path", str(data), "--hf-baseline"]
+        + ["--prefill-repeats", "3"]
+    )
+    warm, measured = cached_before["run"]
+    assert warm == 0 and measured == 0  # the warm-up's prompts were cached, then flushed
+    assert cached_before["repeat"] == [2, 2]
+    assert hf_new_tokens.count(1) == 2
+    assert out["hf_rows"][0]["same_greedy_tokens_as_ours"] == "2/2"

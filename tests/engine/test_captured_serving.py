@@ -136,6 +136,35 @@ def test_a_failing_captured_step_fails_only_its_culprit(ckpt, captured_plain):
     assert replays and all(replayed for _, replayed in replays)
 
 
+def test_mixed_plain_steps_replay_the_captured_decode(ckpt, captured_plain):
+    """Requests that join while others decode share steps with them: the decode rows of
+    such a step replay the captured decode step and only the prompt chunks run eagerly;
+    the tokens are those of eager decoding without a cache (which runs each mixed step as
+    one forward)."""
+    engine, replays = captured_plain
+    prompts = make_prompts(6, seed=5, low=5, high=40)
+    params = [{**GREEDY, "max_new_tokens": n} for n in (6, 18, 11, 24, 9, 15)]
+    mixed, decoding, real_step = [], [], engine.worker.step
+
+    def step(prefill, decode):
+        mixed.append(bool(prefill) and bool(decode))
+        decoding.append(bool(decode))
+        return real_step(prefill, decode)
+
+    engine.worker.step = step
+    replays.clear()
+    try:
+        reqs = [engine.make_request(p, sp) for p, sp in zip(prompts, params)]
+        run(engine, reqs)
+    finally:
+        del engine.worker.step
+    assert any(mixed)
+    # every step with decode rows, mixed or not, replayed the captured decode step once
+    assert [mode for mode, _ in replays] == [ForwardMode.DECODE] * sum(decoding)
+    assert all(replayed for _, replayed in replays)
+    assert [r.output_ids for r in reqs] == eager_outputs(ckpt, prompts, params)
+
+
 @pytest.mark.slow
 def test_captured_nextn_under_retraction_equals_plain(ckpt):
     """NEXTN with captured verify and draft steps, prefill chunks of 16 sharing steps with

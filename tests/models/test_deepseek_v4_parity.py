@@ -132,6 +132,33 @@ def test_ragged_batch_matches_each_request_alone(tiny_v4_hc2, page_size):
         row += new
 
 
+@pytest.mark.parametrize("page_size", [1, 5])
+def test_batch_of_fresh_prompts_matches_each_request_alone(tiny_v4, page_size):
+    """First prefill chunks only (every key is one of the forward's own rows): prompts
+    shorter than a tile's key window (the window is cut to the longest prompt), short
+    tiles padded, and one prompt past the window."""
+    path, hf = tiny_v4
+    runner, table = make_runner(path, page_size)
+    seqs = [random_ids(n, seed=20 + n) for n in (3, 12, 37, 20)]
+    reqs = [table.open_request() for _ in seqs]
+    for req, seq in zip(reqs, seqs):
+        table.reserve(req, len(seq))
+    lens = [len(s) for s in seqs]
+    out = runner.forward(
+        ModelInput(
+            ForwardMode.EXTEND,
+            torch.cat(seqs),
+            reqs,
+            [0] * len(seqs),
+            lens,
+            logits_row_indices=all_rows(sum(lens)),
+        )
+    )
+    rows = out.next_token_logits.split(lens)
+    for seq, logits in zip(seqs, rows):
+        torch.testing.assert_close(logits, hf_logits(hf, seq), atol=ATOL, rtol=0)
+
+
 def test_hidden_capture_is_the_pre_head_streams(tiny_v4):
     """FULL capture returns [T, hc*H] streams; hc_head + norm + head of them gives the logits."""
     path, hf = tiny_v4

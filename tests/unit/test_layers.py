@@ -388,7 +388,7 @@ def test_vocab_parallel_embedding_and_head(monkeypatch):
     torch.testing.assert_close(full, F.linear(ids.float().unsqueeze(1).expand(-1, 4), table))
 
 
-@pytest.mark.parametrize("rows", [1, 5, 300])
+@pytest.mark.parametrize("rows", [1, 5, 300, 2048])
 def test_sinkhorn_fast_path_is_bit_identical(rows):
     from runtime.kernels.sinkhorn import sinkhorn, sinkhorn_reference
 

@@ -36,11 +36,7 @@ from runtime.cache.deepseek_v4_pool import DeepseekV4KVPool
 from runtime.core.forward_context import ForwardContext
 from runtime.distributed import ParallelGroup
 from runtime.kernels.indexer_topk import indexer_topk
-from runtime.kernels.sink_attention import (
-    grouped_sink_attention,
-    tiled_scores,
-    tiled_sink_attention,
-)
+from runtime.kernels.sink_attention import grouped_sink_attention, tiled_sink_attention
 from runtime.layers.linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
@@ -63,6 +59,11 @@ class RopeInputs:
 
     def apply(self, x: torch.Tensor, inverse: bool = False) -> torch.Tensor:
         return self.rope.apply(x, self.cos, self.sin, inverse=inverse)
+
+
+def _to_tiles(rows: torch.Tensor, tile_rows: torch.Tensor) -> torch.Tensor:
+    """Per-row `[T, ...]` -> per tile `[N, R, ...]` (zeros for a short tile's padding)."""
+    return torch.cat([rows, rows.new_zeros(1, *rows.shape[1:])])[tile_rows]
 
 
 # ---------------------------------------------------------------------------------------
@@ -118,7 +119,7 @@ class DeepseekV4Compressor(nn.Module):
         """Ragged rows: entries for the rows that close a block, then the ring writes."""
         state_rows = self.state_rows(x, ctx.positions)
         if access.boundary_rows.numel():
-            window = gather_ring(state_buf, state_rows, access.state.read_idx)
+            window = gather_ring(state_buf, state_rows, access.state)
             entries = self.make_entries(
                 window, access.state.read_valid, access.entry_pos, rope, x.dtype
             )
@@ -174,11 +175,13 @@ class DeepseekV4Indexer(nn.Module):
     def queries(self, qr: torch.Tensor, rope: RopeInputs) -> torch.Tensor:
         return rope.apply(self.wq_b(qr).view(-1, self.num_heads, self.head_dim)).float()
 
+    def head_weights(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weights_proj(x).float() * self.num_heads**-0.5
+
     def weigh(self, x: torch.Tensor, scores: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
         """Per-head relu scores `[T, heads, C]` -> index scores `[T, C]` (-inf if unseen)."""
         scores = torch.relu(scores) * self.head_dim**-0.5
-        weights = self.weights_proj(x).float() * self.num_heads**-0.5
-        total = torch.bmm(weights.unsqueeze(1), scores).squeeze(1)
+        total = torch.bmm(self.head_weights(x).unsqueeze(1), scores).squeeze(1)
         return total.masked_fill(~visible, float("-inf"))
 
     def forward(
@@ -195,9 +198,16 @@ class DeepseekV4Indexer(nn.Module):
         """Ragged rows. Returns `(selected [T, k], valid [T, k])`: positions in each row's
         entry list."""
         self.compressor(x, ctx, access, state_buf, key_buf, rope.rope)
-        keys = key_buf[access.req_loc[tiles.req]]  # [N, C, d]: each tile's request's keys
-        scores = tiled_scores(self.queries(qr, rope), tiles.rows, tiles.row_slot, keys.float())
-        total = self.weigh(x, scores, access.read_valid)
+        keys = key_buf[access.req_loc[tiles.req]].float()  # [N, C, d]: each tile's request's
+        # The per-head scores [N, R * heads, C] stay in the tile layout up to the weighted
+        # sum over heads; only the summed [T, C] scores come back to the rows.
+        num_tiles, tile_len = tiles.rows.shape
+        tile_q = _to_tiles(self.queries(qr, rope), tiles.rows)
+        scores = torch.bmm(tile_q.view(num_tiles, -1, self.head_dim), keys.transpose(1, 2))
+        scores = scores.relu_().mul_(self.head_dim**-0.5)
+        weights = _to_tiles(self.head_weights(x), tiles.rows).view(-1, 1, self.num_heads)
+        total = torch.bmm(weights, scores.view(num_tiles * tile_len, self.num_heads, -1))
+        total = total.squeeze(1)[tiles.row_slot].masked_fill(~access.read_valid, float("-inf"))
         return indexer_topk(total, access.topk_len, access.visible, self.topk)
 
     def forward_uniform(
@@ -295,7 +305,7 @@ class DeepseekV4Attention(nn.Module):
         pool: DeepseekV4KVPool = ctx.kv_pool
         tiles, window = meta.tiles, meta.window
         swa_buf = pool.swa_kv[self.cache_layer]
-        tile_kv, tile_valid = gather_ring(swa_buf, kv, window.ring.read_idx), window.valid
+        tile_kv, tile_valid = gather_ring(swa_buf, kv, window.ring), window.valid
         swa_buf[window.ring.write_loc] = kv[window.ring.write_rows].to(swa_buf.dtype)
 
         row_kv = row_valid = None
