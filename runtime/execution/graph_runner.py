@@ -250,18 +250,14 @@ class GraphRunner:
         rows = logits_rows_of(inp, q)
         if rows is not None:
             rows = [int(r) for r in rows] + [(bs + j) * q + q - 1 for j in range(pad)]
-        ctx = ForwardContext.build(
+        ctx = self._prepared_context(
             key.mode,
             list(inp.req_pool_indices) + [self.pad_req] * pad,
             list(inp.prefix_lens) + [0] * pad,
-            [q] * key.bucket,
-            out_cache_loc=None,
-            req_to_token=self.runner.slot_table.req_to_token,
-            kv_pool=self.runner.kv_pool,
-            capture_hidden_mode=key.capture_hidden,
-            logits_row_indices=rows,
+            q,
+            key.capture_hidden,
+            rows,
         )
-        ctx.attn_metadata = self.runner.kv_pool.prepare(ctx, self._entries)
         # always fresh tensors made here (under inference mode, like the metadata), so every
         # call presents the graph the same kind of tensor
         ids = inp.input_ids.to(self.device)
@@ -281,20 +277,32 @@ class GraphRunner:
         pools = list(inp.req_pool_indices) + [self.pad_req] * pad
         contexts = [ctx]
         for i in range(1, key.draft_steps):
-            chained = ForwardContext.build(
-                ForwardMode.DECODE,
-                pools,
-                [p + i - 1 for p in chain_positions] + [0] * pad,
-                [1] * key.bucket,
-                out_cache_loc=None,
-                req_to_token=self.runner.slot_table.req_to_token,
-                kv_pool=self.runner.kv_pool,
-                capture_hidden_mode=CaptureHiddenMode.LAST,
-                logits_row_indices=None,
+            positions = [p + i - 1 for p in chain_positions] + [0] * pad
+            contexts.append(
+                self._prepared_context(
+                    ForwardMode.DECODE, pools, positions, 1, CaptureHiddenMode.LAST, None
+                )
             )
-            chained.attn_metadata = self.runner.kv_pool.prepare(chained, self._entries)
-            contexts.append(chained)
         return tuple(contexts), ids, hidden
+
+    def _prepared_context(
+        self, mode, req_pool_indices, prefix_lens, rows_per_req, capture_hidden, logits_rows
+    ) -> ForwardContext:
+        """A padded batch's context of `rows_per_req` rows per request, its metadata prepared
+        at the bucket's shapes."""
+        ctx = ForwardContext.build(
+            mode,
+            req_pool_indices,
+            prefix_lens,
+            [rows_per_req] * len(req_pool_indices),
+            out_cache_loc=None,
+            req_to_token=self.runner.slot_table.req_to_token,
+            kv_pool=self.runner.kv_pool,
+            capture_hidden_mode=capture_hidden,
+            logits_row_indices=logits_rows,
+        )
+        ctx.attn_metadata = self.runner.kv_pool.prepare(ctx, self._entries)
+        return ctx
 
     def _entries(self, ratio: int, needed: int) -> int:
         """Compressed entries (key blocks) laid out for a captured step (see the module
