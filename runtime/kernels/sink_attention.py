@@ -46,16 +46,10 @@ def mask_bias(valid: torch.Tensor) -> torch.Tensor:
     )
 
 
-def tiled_scores(
-    q: torch.Tensor, tile_rows: torch.Tensor, row_slot: torch.Tensor, tile_keys: torch.Tensor
-) -> torch.Tensor:
-    """`q [T, H, D]` . `tile_keys [N, K, D]` of each row's tile -> `[T, H, K]`, one batched
-    product per tile (layout as in `tiled_sink_attention`)."""
-    num_tiles, tile_len = tile_rows.shape
-    heads, dim = q.shape[1:]
-    padded_q = torch.cat([q, q.new_zeros(1, heads, dim)])[tile_rows]
-    scores = torch.bmm(padded_q.view(num_tiles, tile_len * heads, dim), tile_keys.transpose(1, 2))
-    return scores.view(num_tiles * tile_len, heads, -1)[row_slot]
+def to_tiles(rows: torch.Tensor, tile_rows: torch.Tensor) -> torch.Tensor:
+    """Per-row `[T, ...]` -> per-tile `[N, R, ...]` (`tile_rows [N, R]` the row of each tile
+    lane, `T` for a short tile's padding lane, which reads zeros)."""
+    return torch.cat([rows, rows.new_zeros(1, *rows.shape[1:])])[tile_rows]
 
 
 def tiled_sink_attention(
@@ -91,7 +85,7 @@ def tiled_sink_attention(
     num_rows, heads, dim = q.shape
     num_tiles, tile_len = tile_rows.shape
     width = tile_kv.shape[1]
-    tile_q = torch.cat([q, q.new_zeros(1, heads, dim)])[tile_rows]  # [N, R, H, D]
+    tile_q = to_tiles(q, tile_rows)  # [N, R, H, D]
     if row_kv is None:
         # The sink as one more key: a zero key scores exactly 0, to which the sink logit is
         # added, and adds exactly nothing to the output; the scores are written once,

@@ -36,7 +36,11 @@ from runtime.cache.deepseek_v4_pool import DeepseekV4KVPool
 from runtime.core.forward_context import ForwardContext
 from runtime.distributed import ParallelGroup
 from runtime.kernels.indexer_topk import indexer_topk
-from runtime.kernels.sink_attention import grouped_sink_attention, tiled_sink_attention
+from runtime.kernels.sink_attention import (
+    grouped_sink_attention,
+    tiled_sink_attention,
+    to_tiles,
+)
 from runtime.layers.linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
@@ -59,11 +63,6 @@ class RopeInputs:
 
     def apply(self, x: torch.Tensor, inverse: bool = False) -> torch.Tensor:
         return self.rope.apply(x, self.cos, self.sin, inverse=inverse)
-
-
-def _to_tiles(rows: torch.Tensor, tile_rows: torch.Tensor) -> torch.Tensor:
-    """Per-row `[T, ...]` -> per tile `[N, R, ...]` (zeros for a short tile's padding)."""
-    return torch.cat([rows, rows.new_zeros(1, *rows.shape[1:])])[tile_rows]
 
 
 # ---------------------------------------------------------------------------------------
@@ -202,10 +201,10 @@ class DeepseekV4Indexer(nn.Module):
         # The per-head scores [N, R * heads, C] stay in the tile layout up to the weighted
         # sum over heads; only the summed [T, C] scores come back to the rows.
         num_tiles, tile_len = tiles.rows.shape
-        tile_q = _to_tiles(self.queries(qr, rope), tiles.rows)
+        tile_q = to_tiles(self.queries(qr, rope), tiles.rows)
         scores = torch.bmm(tile_q.view(num_tiles, -1, self.head_dim), keys.transpose(1, 2))
         scores = scores.relu_().mul_(self.head_dim**-0.5)
-        weights = _to_tiles(self.head_weights(x), tiles.rows).view(-1, 1, self.num_heads)
+        weights = to_tiles(self.head_weights(x), tiles.rows).view(-1, 1, self.num_heads)
         total = torch.bmm(weights, scores.view(num_tiles * tile_len, self.num_heads, -1))
         total = total.squeeze(1)[tiles.row_slot].masked_fill(~access.read_valid, float("-inf"))
         return indexer_topk(total, access.topk_len, access.visible, self.topk)
