@@ -127,14 +127,7 @@ def time_prefill(engine, prompts: list[list[int]]) -> float:
     """Seconds of one prefill step of `prompts` on an idle engine whose prefix cache holds
     nothing of them (flushed before and after)."""
     engine.flush_cache()
-    reqs = [engine.make_request(ids, greedy_params(1)) for ids in prompts]
-    for req in reqs:
-        engine.add_request(req)
-    start = time.perf_counter()
-    engine.step()
-    seconds = time.perf_counter() - start
-    while engine.has_work():  # nothing left after one step unless the pools were short
-        engine.step()
+    seconds = run_batch(engine, prompts, 1)[1]
     engine.flush_cache()
     return seconds
 

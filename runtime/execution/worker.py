@@ -169,30 +169,32 @@ class PlainWorker:
         chunks = list(prefill) + decoding
         rows = LogitRows(chunks)
         bitmask = sampling_bitmask(chunks, self.vocab_size)  # host work before the forward
-        if prefill and decoding and self.target.captures(chunk_input(decoding, ForwardMode.DECODE)):
+        decode_inp = target_input(decoding, ForwardMode.DECODE) if prefill and decoding else None
+        if decode_inp is not None and self.target.captures(decode_inp):
             # A mixed step whose decode rows have a captured decode step: they replay it and
             # only the prompt chunks run eagerly (in the ragged forward, each decode row
             # would take a query tile and key window of its own). The logits come out in
             # the one-forward layout (every chunk's rows in order), so sampling is the same.
-            logits = torch.cat(
-                [
-                    self._logits(list(prefill), ForwardMode.EXTEND),
-                    self._logits(decoding, ForwardMode.DECODE),
-                ]
-            )
+            prefill_inp = target_input(list(prefill), ForwardMode.EXTEND)
+            logits = torch.cat([self._logits(prefill_inp), self._logits(decode_inp)])
         else:
             all_single = all(c.length == 1 for c in chunks) and not prefill
-            logits = self._logits(chunks, ForwardMode.DECODE if all_single else ForwardMode.EXTEND)
+            mode = ForwardMode.DECODE if all_single else ForwardMode.EXTEND
+            logits = self._logits(target_input(chunks, mode))
         outputs = chunk_outputs(
             chunks, rows, logits, self.vocab_size, self.eos_ids, self.generator, bitmask
         )
         return outputs[: len(prefill)], outputs[len(prefill) :]
 
-    def _logits(self, chunks: list[Chunk], mode: ForwardMode) -> torch.Tensor:
-        """The target forward over `chunks`: logits of their `LogitRows` rows, in order."""
-        inp = chunk_input(chunks, mode)
-        inp.logits_row_indices = LogitRows(chunks).rows
+    def _logits(self, inp: ModelInput) -> torch.Tensor:
         return self.target.forward(inp).next_token_logits
+
+
+def target_input(chunks: list[Chunk], mode: ForwardMode) -> ModelInput:
+    """The target forward's input over `chunks`, with logits at their `LogitRows` rows."""
+    inp = chunk_input(chunks, mode)
+    inp.logits_row_indices = LogitRows(chunks).rows
+    return inp
 
 
 def sampling_bitmask(chunks: Sequence[Chunk], vocab_size: int) -> torch.Tensor | None:

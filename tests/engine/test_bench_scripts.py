@@ -702,8 +702,8 @@ def test_one_batch_prefills_are_fresh_and_repeated(ckpt, tmp_path, monkeypatch):
         + ["--output-len", "4", "--dataset-path", str(data), "--hf-baseline"]
         + ["--prefill-repeats", "3"]
     )
-    warm, measured = cached_before["run"]
-    assert warm == 0 and measured == 0  # the warm-up's prompts were cached, then flushed
+    # warm-up, measured batch, two repeats: the warm-up's prompts were cached, then flushed
+    assert cached_before["run"] == [0, 0, 0, 0]
     assert cached_before["repeat"] == [2, 2]
     assert hf_new_tokens.count(1) == 2
     assert out["hf_rows"][0]["same_greedy_tokens_as_ours"] == "2/2"
