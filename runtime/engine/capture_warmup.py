@@ -77,9 +77,7 @@ def compile_at_startup(engine, progress: bool = False) -> None:
         return
     start = time.perf_counter()
     warm_up(engine)
-    compile_buckets(engine, captured_buckets(engine), progress=progress)
-    for runner in runners:
-        runner.graph_runner.wait_until_idle()
+    compile_buckets(engine, captured_buckets(engine), progress=progress)  # in this thread
     steps = [s for r in runners for s in r.graph_runner.compiled_steps()]
     failed = [name for name, state, _ in steps if state != "ready"]
     logger.info(
