@@ -339,7 +339,13 @@ def test_sigterm_waits_the_grace_period_then_aborts_and_exits(served_checkpoint)
         _in_background(lambda: server.post(G, json={"text": PROMPT, "sampling_params": LONG}))
         for _ in range(2)
     ]
-    time.sleep(1.0)
+    # SIGTERM once both are decoding (the stats are published after a step, so a request
+    # counted as running has finished its prefill step), not after a fixed sleep, which a
+    # busy machine outlasts before the first token
+    deadline = time.time() + 60
+    while server.info()["internal_states"][0]["num_running_reqs"] < 2:
+        assert time.time() < deadline, "the two requests never ran"
+        time.sleep(0.05)
     start = time.time()
     server.proc.send_signal(signal.SIGTERM)
     server.proc.wait(timeout=30)
