@@ -96,6 +96,12 @@ class EngineConfig:
     speculative_num_steps: int | None = setting(None, "draft steps per round (default 3)")
     speculative_eagle_topk: int | None = setting(None, "1 (chain drafting)")
     speculative_num_draft_tokens: int | None = setting(None, "verify width (steps + 1)")
+    speculative_disable_by_batch_size: int | None = setting(
+        None,
+        "decode steps of at least this many requests run without speculation (verify rounds "
+        "cost more than they save in large batches); the draft catches up when the batch "
+        "shrinks (default: always speculate)",
+    )
     constrained_json_disable_any_whitespace: bool = setting(
         False, "structured JSON output in compact layout (no free whitespace between tokens)"
     )
@@ -176,6 +182,7 @@ class EngineConfig:
             self.speculative_num_steps,
             self.speculative_eagle_topk,
             self.speculative_num_draft_tokens,
+            self.speculative_disable_by_batch_size,
         )
 
     def parallel_layout(self) -> ParallelLayout:

@@ -17,6 +17,9 @@ class SpeculativeConfig:
     num_steps: int  # draft forwards per round (S)
     eagle_topk: int  # 1: chain drafting
     num_draft_tokens: int  # verify width N = S + 1
+    # a decode step of at least this many requests runs without speculation (vLLM's
+    # `speculative_disable_by_batch_size`); None: every step speculates
+    disable_by_batch_size: int | None = None
 
     @classmethod
     def resolve(
@@ -25,11 +28,13 @@ class SpeculativeConfig:
         num_steps: int | None = None,
         eagle_topk: int | None = None,
         num_draft_tokens: int | None = None,
+        disable_by_batch_size: int | None = None,
     ) -> SpeculativeConfig | None:
         """None when speculation is off. Raises ValueError with the fix for bad settings."""
         if algorithm is None or str(algorithm).upper() in ("", "NONE"):
-            if any(v is not None for v in (num_steps, eagle_topk, num_draft_tokens)):
-                raise ValueError("speculative shape options need --speculative-algorithm NEXTN")
+            shape = (num_steps, eagle_topk, num_draft_tokens, disable_by_batch_size)
+            if any(v is not None for v in shape):
+                raise ValueError("speculative options need --speculative-algorithm NEXTN")
             return None
         name = ALGORITHM_ALIASES.get(str(algorithm).upper())
         if name is None:
@@ -55,4 +60,10 @@ class SpeculativeConfig:
                 steps,
                 tokens,
             )
-        return cls(name, steps, topk, tokens)
+        if disable_by_batch_size is not None and int(disable_by_batch_size) < 1:
+            raise ValueError(
+                "--speculative-disable-by-batch-size must be >= 1 (a decode step of at least "
+                f"that many requests runs without speculation), got {disable_by_batch_size}"
+            )
+        limit = None if disable_by_batch_size is None else int(disable_by_batch_size)
+        return cls(name, steps, topk, tokens, limit)

@@ -24,6 +24,7 @@ class EngineInfo:
     speculative_num_steps: int | None = None
     speculative_eagle_topk: int | None = None
     speculative_num_draft_tokens: int | None = None
+    speculative_disable_by_batch_size: int | None = None
     # what each rank of the replica holds after start-up: rank, pid, weights, kv_cache,
     # peak_rss (bytes), device_allocated
     rank_memory: tuple[dict, ...] = ()

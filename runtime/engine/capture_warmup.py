@@ -12,6 +12,10 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
+
+from runtime.core.forward_mode import ForwardMode
+from runtime.execution.graph_runner import StepKey
 
 logger = logging.getLogger(__name__)
 
@@ -41,14 +45,52 @@ def captured_buckets(engine, max_batch: int | None = None) -> list[int]:
 
 
 def warm_up(engine, num_tokens: int = 8) -> None:
-    """One short greedy request through the engine, so each kind of step it runs is seen;
-    the prefix cache forgets it afterwards."""
+    """One short greedy request through the engine, so each kind of step it runs is seen.
+    With speculation off in large batches, a second one decodes without speculating; it
+    runs eagerly, so its plain decode step compiles only at the buckets a large batch meets
+    (`compile_buckets`), not at its own batch size. The prefix cache forgets both."""
     bos = engine.bos_token_id
     width = engine.spec_config.num_draft_tokens if engine.spec_config else 1
     prompt = [bos if bos is not None else 0] + list(range(3, 3 + 2 * width))
-    max_new = max(num_tokens, 3 * width)
-    engine.generate(input_ids=prompt, sampling_params={"max_new_tokens": max_new, "temperature": 0})
+    params = {"max_new_tokens": max(num_tokens, 3 * width), "temperature": 0}
+    engine.generate(input_ids=prompt, sampling_params=params)
+    worker = engine.worker
+    limit = getattr(worker, "disable_by_batch_size", None)
+    if limit is not None:
+        graph_runners = [r.graph_runner for r in captured_runners(engine)]
+        on_demand = [g.compiles_on_demand for g in graph_runners]
+        try:
+            worker.disable_by_batch_size = 1
+            for g in graph_runners:
+                g.compiles_on_demand = False
+            engine.generate(input_ids=prompt, sampling_params=params)
+        finally:
+            worker.disable_by_batch_size = limit
+            for g, was in zip(graph_runners, on_demand):
+                g.compiles_on_demand = was
     engine.flush_cache()
+
+
+def reachable_steps(engine, runner) -> Callable[[StepKey], bool] | None:
+    """Which of `runner`'s captured steps a batch can meet (None: all of them). With
+    speculation off from `limit` requests on, verify rounds and the draft's steps run only
+    in batches below `limit`, and the target's plain decode step only in batches of `limit`
+    and more (a request catching up in a smaller batch pads into a larger compiled
+    bucket)."""
+    limit = getattr(engine.worker, "disable_by_batch_size", None)
+    if limit is None:
+        return None
+    graph_runner = runner.graph_runner
+    plain_from = graph_runner.bucket_for(limit)  # None: no bucket holds such a batch
+    largest = graph_runner.buckets[-1]
+    speculative_upto = 0 if limit == 1 else graph_runner.bucket_for(limit - 1) or largest
+
+    def reachable(key: StepKey) -> bool:
+        if runner is engine.runner and key.mode is ForwardMode.DECODE:
+            return plain_from is not None and key.bucket >= plain_from
+        return key.bucket <= speculative_upto
+
+    return reachable
 
 
 def compile_buckets(engine, buckets, progress: bool = False) -> None:
@@ -62,7 +104,7 @@ def compile_buckets(engine, buckets, progress: bool = False) -> None:
         bar = tqdm(total=len(steps), desc="compiling captured steps", unit="bucket")
     for runner, bucket in steps:
         start = time.perf_counter()
-        runner.graph_runner.compile_buckets([bucket])
+        runner.graph_runner.compile_buckets([bucket], reachable_steps(engine, runner))
         if bar is not None:
             bar.set_postfix_str(f"bs {bucket}: {time.perf_counter() - start:.1f} s")
             bar.update()
@@ -78,11 +120,14 @@ def compile_at_startup(engine, progress: bool = False) -> None:
     start = time.perf_counter()
     warm_up(engine)
     compile_buckets(engine, captured_buckets(engine), progress=progress)  # in this thread
+    for runner in runners:
+        runner.graph_runner.compiles_on_demand = False
     steps = [s for r in runners for s in r.graph_runner.compiled_steps()]
-    failed = [name for name, state, _ in steps if state != "ready"]
+    ready = [name for name, state, _ in steps if state == "ready"]
+    failed = [name for name, state, _ in steps if state == "failed"]
     logger.info(
         "compiled %d captured steps at start-up in %.1f s%s",
-        len(steps) - len(failed),
+        len(ready),
         time.perf_counter() - start,
         f"; not captured (run eagerly): {', '.join(failed)}" if failed else "",
     )

@@ -127,6 +127,10 @@ class GraphRunner:
         self._steps: dict[StepKey, CapturedStep] = {}
         self._lock = threading.Lock()
         self._queue: queue.Queue[CapturedStep] | None = None
+        # False once start-up compiled every step a batch can meet: a step met later (a kind
+        # the warm-up did not run) pads into a larger ready bucket or runs eagerly rather
+        # than stalling the serving thread on a compile
+        self.compiles_on_demand = True
         if not self.cuda:
             configure_compiler(config)
 
@@ -225,7 +229,7 @@ class GraphRunner:
         """The compiled step for `key` (compiling it if it is new), or the smallest larger
         ready bucket while it compiles, or None."""
         step = self._step(key, hidden)
-        if step.state is StepState.PENDING:
+        if step.state is StepState.PENDING and self.compiles_on_demand:
             self._schedule(step)
         if step.state is not StepState.READY:
             # while its own bucket compiles, a batch pads into a larger bucket that is ready
@@ -433,16 +437,21 @@ class GraphRunner:
             spec_step_idx=key.spec_step_idx,
         )
 
-    def compile_buckets(self, buckets) -> None:
+    def compile_buckets(self, buckets, wanted: Callable[[StepKey], bool] | None = None) -> None:
         """Compile every step seen so far for each of `buckets` too, in the calling thread: a
         benchmark's warm-up meets each kind of step at some batch size, while its measured
-        run may meet any bucket."""
+        run may meet any bucket. `wanted`: only the steps it accepts (the ones a batch can
+        meet)."""
         for key, seen in list(self._steps.items()):
             for bucket in buckets:
-                if bucket in self.buckets:
-                    step = self._step(dataclasses.replace(key, bucket=bucket), seen.hidden_like)
-                    if step.state is StepState.PENDING:
-                        self._compile(step)
+                if bucket not in self.buckets:
+                    continue
+                each = dataclasses.replace(key, bucket=bucket)
+                if wanted is not None and not wanted(each):
+                    continue
+                step = self._step(each, seen.hidden_like)
+                if step.state is StepState.PENDING:
+                    self._compile(step)
 
     def wait_until_idle(self, timeout: float | None = None) -> bool:
         """Block until no bucket is compiling (tests, benchmarks). False on timeout."""

@@ -307,6 +307,7 @@ class Scheduler:
         """Free what `req` holds; with `keep_state` the prefix cache may keep its computed
         prefix (see `PrefixCache.release` for `verify_row`)."""
         self.running.remove(req)
+        self.worker.release(req)
         self.prefix_cache.release(req, keep_state, verify_row)
 
     def _drop(self, req: Req, message: str) -> None:

@@ -37,6 +37,9 @@ class DraftBatch:
     # which rows of the target's latest output `target_hidden` holds (None: all of them), so
     # the other ranks of a replica can take them from their own copy
     target_rows: torch.Tensor | None = None
+    # False: `target_hidden` was gathered over earlier steps (rows a request decoded without
+    # speculation), so the other ranks of a replica receive the tensor itself
+    from_latest_target: bool = True
 
     @property
     def batch_size(self) -> int:
@@ -100,4 +103,5 @@ class DraftBatch:
             self.propose,
             self.pending_tokens,
             kept if self.target_rows is None else self.target_rows[kept],
+            self.from_latest_target,
         )

@@ -85,7 +85,9 @@ class MTPDrafter:
             capture_hidden_mode=CaptureHiddenMode.LAST,
             captured_hidden_states=batch.target_hidden,
             logits_row_indices=batch.gather_indices(),
-            hidden_rows=HiddenRows(TARGET, batch.target_rows),
+            hidden_rows=(
+                HiddenRows(TARGET, batch.target_rows) if batch.from_latest_target else None
+            ),
         )
 
     def _chain(

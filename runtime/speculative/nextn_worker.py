@@ -19,6 +19,15 @@ accepted row.
 A step may carry prefill chunks and verify rounds together (`supports_mixed`): the rounds run
 first (a uniform batch: the target's captured verify step and the draft's captured steps),
 then the chunks (an eager extend), so decoding never pauses while prompts prefill.
+
+Speculation off in large batches (`SpeculativeConfig.disable_by_batch_size`, vLLM's
+`speculative_disable_by_batch_size`): a verify round scores `S + 1` rows per request, which
+pays while a step is bound by its fixed costs and not once it is bound by compute. A decode
+step of at least that many requests runs as plain decoding (the target's captured decode
+step, capturing each row's hidden state) and keeps, per request, the rows the draft has not
+run over (`UndraftedRows`). When the batch shrinks, each such request decodes once more as
+plain decoding and the draft extends over all its kept rows, as over a prefill chunk, and
+proposes; its next step is a verify round again.
 """
 
 from __future__ import annotations
@@ -41,6 +50,7 @@ from runtime.execution.worker import (
     chunk_input,
     chunk_outputs,
     sampling_bitmask,
+    target_input,
     token_ids_logprob_outputs,
     token_logprob_outputs,
 )
@@ -75,6 +85,30 @@ class SpecStats:
         return [a / self.verify_rounds if self.verify_rounds else 0.0 for a in self.accepted_at]
 
 
+@dataclass
+class UndraftedRows:
+    """Target rows of one request the draft has not run over: positions `start ..`, row p the
+    target's hidden state at p and the token at p + 1. With a window-only draft (`reach`
+    rows) only the newest `reach` rows are kept: the draft's pass over them would skip the
+    older ones anyway (`MTPDrafter._rows_to_skip`)."""
+
+    req: Req
+    start: int
+    hidden: list[torch.Tensor] = field(default_factory=list)  # [D] each
+    following: list[int] = field(default_factory=list)
+
+    def append(self, hidden: torch.Tensor, token: int, reach: int | None) -> None:
+        self.hidden.append(hidden)
+        self.following.append(token)
+        if reach is not None and len(self.following) > reach:
+            drop = len(self.following) - reach
+            del self.hidden[:drop], self.following[:drop]
+            self.start += drop
+
+    def __len__(self) -> int:
+        return len(self.following)
+
+
 class NextNWorker:
     supports_mixed = True
     needs_drafts = True  # a request decodes once a prefill step has drafted for it
@@ -91,16 +125,74 @@ class NextNWorker:
         self.eos_ids, self.generator = eos_ids, generator
         self.vocab_size = target.model_config.vocab_size
         self.stats = SpecStats(spec.num_steps)
+        self.disable_by_batch_size = spec.disable_by_batch_size
+        self.undrafted: dict[str, UndraftedRows] = {}  # by request id
 
     def reserve_ahead(self) -> int:
         """Verify writes up to `seq_len - 1 + S`, draft steps up to `seq_len + 2S - 2`."""
         return 2 * self.spec.num_steps
 
+    def speculates(self, batch_size: int) -> bool:
+        """Whether a decode step over `batch_size` requests runs verify rounds."""
+        limit = self.disable_by_batch_size
+        return limit is None or batch_size < limit
+
     def step(
         self, prefill: Sequence[Chunk], decode: Sequence[Req]
     ) -> tuple[list[TokenOutput], list[TokenOutput]]:
-        decode_out = self._verify(decode) if decode else []
+        self._forget_undrafted(prefill)
+        speculate = self.speculates(len(decode))
+        rounds = [r for r in decode if speculate and r.rid not in self.undrafted]
+        plain = [r for r in decode if not speculate or r.rid in self.undrafted]
+        outputs = {}
+        if rounds:
+            outputs.update(zip((r.rid for r in rounds), self._verify(rounds)))
+        if plain:
+            outputs.update(zip((r.rid for r in plain), self._decode_plain(plain, speculate)))
+        decode_out = [outputs[r.rid] for r in decode]
         return (self._prefill(prefill) if prefill else []), decode_out
+
+    def release(self, req: Req) -> None:
+        """`req` left the running batch (finished, retracted or aborted): a retracted request
+        prefills again, and a prefill's draft pass rebuilds the draft's cache from the
+        target's rows, so the kept rows are dropped either way."""
+        self.undrafted.pop(req.rid, None)
+
+    def _forget_undrafted(self, prefill: Sequence[Chunk]) -> None:
+        """Rows kept for requests that prefill again (put back by the prefix cache)."""
+        for chunk in prefill:
+            self.undrafted.pop(chunk.req.rid, None)
+
+    def _decode_plain(self, reqs: Sequence[Req], catch_up: bool) -> list[TokenOutput]:
+        """One plain decode step (exactly `PlainWorker`'s sampling) whose rows the draft
+        runs over later. `catch_up`: the draft runs over every kept row of these requests
+        now and proposes, so their next step is a verify round."""
+        chunks = [Chunk(r, r.seq_len - 1, r.seq_len) for r in reqs]
+        rows = LogitRows(chunks)
+        bitmask = sampling_bitmask(chunks, self.vocab_size)  # host work before the forward
+        inp = target_input(chunks, ForwardMode.DECODE)
+        inp.capture_hidden_mode = CaptureHiddenMode.FULL
+        out = self.target.forward(inp)
+        outputs = chunk_outputs(
+            chunks,
+            rows,
+            out.next_token_logits,
+            self.vocab_size,
+            self.eos_ids,
+            self.generator,
+            bitmask,
+        )
+        reach = self.drafter.runner.model.kv_reach
+        hidden = out.hidden_states[: len(reqs)].clone().unbind(0)
+        for req, output, row in zip(reqs, outputs, hidden):
+            kept = self.undrafted.setdefault(req.rid, UndraftedRows(req, req.seq_len - 1))
+            kept.append(row, output.tokens[0], reach)
+        if catch_up:
+            caught_up = [self.undrafted.pop(r.rid) for r in reqs]
+            drafts = self.drafter.draft(catch_up_draft_batch(caught_up, outputs))
+            for output, drafted in zip(outputs, drafts):
+                output.draft_tokens = drafted
+        return outputs
 
     def _prefill(self, chunks: Sequence[Chunk]) -> list[TokenOutput]:
         """Target extend, a token for every chunk that completes its prompt, then the draft
@@ -257,6 +349,25 @@ def redraft_batch(
         gather_rows=result.num_accepted.tolist(),
         propose=[True] * bs,
         pending_tokens=result.tokens(drafts) if any(r.grammar for r in reqs) else None,
+    )
+
+
+def catch_up_draft_batch(
+    kept: Sequence[UndraftedRows], outputs: Sequence[TokenOutput]
+) -> DraftBatch:
+    """The draft's pass over the rows requests decoded without speculation, proposing from
+    each request's newest row (whose following token this step just sampled)."""
+    reqs = [k.req for k in kept]
+    return DraftBatch(
+        reqs=reqs,
+        prefix_lens=[k.start for k in kept],
+        extend_lens=[len(k) for k in kept],
+        next_tokens=torch.tensor([t for k in kept for t in k.following], dtype=torch.long),
+        target_hidden=torch.stack([h for k in kept for h in k.hidden]),
+        gather_rows=[len(k) - 1 for k in kept],
+        propose=[True] * len(kept),
+        pending_tokens=[o.tokens for o in outputs] if any(r.grammar for r in reqs) else None,
+        from_latest_target=False,
     )
 
 

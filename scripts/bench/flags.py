@@ -58,6 +58,12 @@ def add_model_args(parser: argparse.ArgumentParser, steps_sweep: bool = True) ->
         "--speculative-num-draft-tokens", type=int, default=None, help="verify width (steps + 1)"
     )
     g.add_argument(
+        "--speculative-disable-by-batch-size",
+        type=int,
+        default=None,
+        help="NEXTN: decode steps of at least this many requests run without speculation",
+    )
+    g.add_argument(
         "--compare",
         action="store_true",
         help="run plain decoding and NEXTN back to back and print NEXTN/plain ratios "

@@ -44,8 +44,9 @@ def build_variants(args: argparse.Namespace) -> list[Variant]:
         variants.append(Variant("plain", None))
     if algorithm is not None:
         for s in steps:
+            limit = getattr(args, "speculative_disable_by_batch_size", None)
             cfg = SpeculativeConfig.resolve(
-                algorithm, s, args.speculative_eagle_topk, args.speculative_num_draft_tokens
+                algorithm, s, args.speculative_eagle_topk, args.speculative_num_draft_tokens, limit
             )
             spec = {
                 "speculative_algorithm": cfg.algorithm,
@@ -53,6 +54,8 @@ def build_variants(args: argparse.Namespace) -> list[Variant]:
                 "speculative_eagle_topk": cfg.eagle_topk,
                 "speculative_num_draft_tokens": cfg.num_draft_tokens,
             }
+            if cfg.disable_by_batch_size is not None:
+                spec["speculative_disable_by_batch_size"] = cfg.disable_by_batch_size
             variants.append(Variant(f"{cfg.algorithm}(steps={cfg.num_steps})", spec))
     return variants
 

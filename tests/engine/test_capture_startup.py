@@ -67,3 +67,40 @@ def test_startup_compiles_every_kind_at_every_bucket_then_serves(
 
     assert staggered_generate(engine, prompts, lengths) == reference
     assert stubbed_compiles == compiled  # serving compiled nothing more
+
+
+def test_startup_compiles_only_the_steps_a_batch_can_meet(v4_mtp_ckpt, stubbed_compiles):
+    """With speculation off from 3 requests on, the target's plain decode step compiles only
+    at buckets holding 3 or more requests (4), verify rounds and the draft's steps only at
+    buckets of fewer (1, 2); serving then compiles nothing (a request catching up in a
+    smaller batch pads into bucket 4) and gives plain decoding's tokens."""
+    common = dict(model_path=str(v4_mtp_ckpt), dtype="float32", page_size=4)
+    prompts = prompts_of((5, 17, 9, 30, 12), seed=6)
+    lengths = [14, 6, 20, 9, 11]
+    reference = staggered_generate(Engine(**common, disable_cuda_graph=True), prompts, lengths)
+    engine = Engine(
+        **common,
+        speculative_algorithm="NEXTN",
+        speculative_disable_by_batch_size=3,
+        cuda_graph_bs=list(BUCKETS),
+        capture_compile="startup",
+    )
+    compiled = list(stubbed_compiles)
+    plain = {k.bucket for role, k in compiled if role == "target" and k.mode.name == "DECODE"}
+    speculative = {
+        (role, k.mode, k.spec_step_idx, k.draft_steps)
+        for role, k in compiled
+        if not (role == "target" and k.mode.name == "DECODE")
+    }
+    assert plain == {4}
+    assert {kind[0] for kind in speculative} == {"target", "draft"}
+    for role, mode, step_idx, draft_steps in speculative:
+        assert {
+            k.bucket
+            for r, k in compiled
+            if (r, k.mode, k.spec_step_idx, k.draft_steps) == (role, mode, step_idx, draft_steps)
+        } == {1, 2}
+    assert len(compiled) == len(set(compiled))
+    assert staggered_generate(engine, prompts, lengths) == reference
+    assert stubbed_compiles == compiled  # serving compiled nothing more
+    assert engine.worker.stats.verify_rounds > 0  # it speculated in the small batches

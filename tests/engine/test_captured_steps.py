@@ -132,6 +132,16 @@ def nextn_step_inputs(table, target, drafter, steps=3):
     )
     hidden_width = target.forward(verify).hidden_states.shape[1]
     decode = ModelInput(ForwardMode.DECODE, torch.tensor([3, 4, 5]), reqs, prefix, [1] * 3)
+    # NEXTN's plain decode in large batches keeps each row's hidden state for the draft
+    decode_hidden = ModelInput(
+        ForwardMode.DECODE,
+        torch.tensor([3, 4, 5]),
+        reqs,
+        prefix,
+        [1] * 3,
+        capture_hidden_mode=CaptureHiddenMode.FULL,
+        logits_row_indices=[0, 1, 2],
+    )
     draft_extend = ModelInput(
         ForwardMode.DRAFT_EXTEND,
         torch.arange(3 * width) + 7,
@@ -152,7 +162,8 @@ def nextn_step_inputs(table, target, drafter, steps=3):
         captured_hidden_states=torch.randn(3, hidden_width),
         spec_step_idx=1,
     )
-    return {"decode": decode, "verify": verify}, {"extend": draft_extend, "step": draft_step}
+    target_steps = {"decode": decode, "decode with hidden": decode_hidden, "verify": verify}
+    return target_steps, {"extend": draft_extend, "step": draft_step}
 
 
 @pytest.fixture(scope="module")
@@ -368,9 +379,10 @@ def staggered_generate(engine, prompts, lengths):
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["deepseek_v4", "qwen4_exp"])
 def test_captured_engines_equal_eager_plain(family, request, monkeypatch):
-    """Plain and NEXTN engines replaying captured steps (bucket 4, 1 to 4 live requests)
-    give the eager plain engine's greedy tokens, which equal transformers' `generate`
-    (contexts long enough for QSA's selection and past one padded key-block count)."""
+    """Plain and NEXTN engines (also with speculation off in larger batches) replaying
+    captured steps (bucket 4, 1 to 4 live requests) give the eager plain engine's greedy
+    tokens, which equal transformers' `generate` (contexts long enough for QSA's selection
+    and past one padded key-block count)."""
     path, hf = checkpoint_of(family, request)
     prompts = prompts_of((5, 23, 40, 11, 33), seed=4)
     lengths = [30, 12, 25, 40, 18]
@@ -379,13 +391,19 @@ def test_captured_engines_equal_eager_plain(family, request, monkeypatch):
     for ids, n, tokens in zip(prompts, lengths, reference):
         assert tokens == hf_greedy(hf, ids, n)
     monkeypatch.delenv(DISABLE_ENV, raising=False)
-    for spec in ({}, {"speculative_algorithm": "NEXTN", "speculative_num_steps": 3}):
+    nextn = {"speculative_algorithm": "NEXTN", "speculative_num_steps": 3}
+    # the last one decodes without speculation in batches of 3 and 4 (the captured decode
+    # step with hidden states), then catches the draft up as the batch shrinks
+    for spec in ({}, nextn, {**nextn, "speculative_disable_by_batch_size": 3}):
         engine = Engine(**common, cuda_graph_bs=[BUCKET], capture_compile="inline", **spec)
         assert staggered_generate(engine, prompts, lengths) == reference, spec
         runners = [engine.runner] + ([engine.worker.drafter.runner] if spec else [])
         for runner in runners:
             states = runner.graph_runner.compiled_steps()
             assert states and all(s == "ready" for _, s, _ in states), states
+        if "speculative_disable_by_batch_size" in spec:
+            target_steps = [name for name, _, _ in engine.runner.graph_runner.compiled_steps()]
+            assert "decode bs 4" in target_steps, target_steps
 
 
 def test_compile_buckets_repeats_every_seen_step_at_each_bucket(tiny_v4, monkeypatch):

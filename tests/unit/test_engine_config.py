@@ -77,6 +77,12 @@ def test_server_args_hand_the_engine_exactly_its_settings():
         ({"max_total_tokens": 2, "page_size": 4}, ValueError, "--max-total-tokens"),
         ({"context_length": 1}, ValueError, "--context-length"),
         ({"speculative_num_steps": 2}, ValueError, "need --speculative-algorithm"),
+        ({"speculative_disable_by_batch_size": 4}, ValueError, "need --speculative-algorithm"),
+        (
+            {"speculative_algorithm": "NEXTN", "speculative_disable_by_batch_size": 0},
+            ValueError,
+            "--speculative-disable-by-batch-size must be >= 1",
+        ),
         ({"radix_snapshot_interval": -1}, ValueError, "--radix-snapshot-interval"),
         ({"radix_snapshot_slots": 0}, ValueError, "--radix-snapshot-slots"),
         ({"model_path": "/no/such/model"}, FileNotFoundError, "does not exist"),

@@ -1,0 +1,127 @@
+# SPDX-License-Identifier: Apache-2.0
+"""`--speculative-disable-by-batch-size` (vLLM's `speculative_disable_by_batch_size`): decode
+steps of at least that many requests run as plain decoding, and the draft catches up over
+the rows it skipped once the batch shrinks.
+
+The output stays exactly plain decoding's (greedy, and seeded sampling where no step
+speculates); after catching up, the draft proposes what it would have proposed had it never
+been skipped (its cache holds the same rows), for both model families.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from runtime import Engine
+from tests.engine.test_nextn import make_prompts
+from tests.tiny_checkpoints import (
+    build_tiny_qwen4_exp_mtp_checkpoint,
+    build_tiny_v4_mtp_checkpoint,
+)
+
+NUM_PROMPTS = 12
+
+
+@pytest.fixture(scope="module", params=["deepseek_v4", "qwen4_exp"])
+def checkpoint(request, tmp_path_factory):
+    build = (
+        build_tiny_v4_mtp_checkpoint
+        if request.param == "deepseek_v4"
+        else build_tiny_qwen4_exp_mtp_checkpoint
+    )
+    return build(tmp_path_factory.mktemp(request.param), seed=7)[0]
+
+
+def engine_of(path, **kw) -> Engine:
+    return Engine(model_path=str(path), dtype="float32", page_size=4, max_running_requests=16, **kw)
+
+
+def nextn_of(path, limit=None, **kw) -> Engine:
+    return engine_of(
+        path,
+        speculative_algorithm="NEXTN",
+        speculative_num_steps=3,
+        speculative_disable_by_batch_size=limit,
+        **kw,
+    )
+
+
+def staggered_params(temperature=0.0, seed=None):
+    """Output lengths 10..65: the batch shrinks one request at a time, crossing any limit.
+    Lengths past the draft's window (8) and several compress boundaries."""
+    extra = {} if seed is None else {"sampling_seed": seed}
+    return [
+        {"temperature": temperature, "max_new_tokens": 10 + 5 * i, "ignore_eos": True, **extra}
+        for i in range(NUM_PROMPTS)
+    ]
+
+
+@pytest.fixture(scope="module")
+def greedy_reference(checkpoint):
+    prompts = make_prompts(NUM_PROMPTS, seed=1)
+    outs = engine_of(checkpoint).generate(input_ids=prompts, sampling_params=staggered_params())
+    return prompts, [o["output_ids"] for o in outs]
+
+
+def record_proposals(engine) -> dict:
+    """(prompt, first chained position) -> (drafts, whether the draft ran over the newest
+    target step's rows only, False for a catch-up) of every proposal the drafter makes."""
+    seen = {}
+    drafter = engine.worker.drafter
+    draft = drafter.draft
+
+    def recording(batch):
+        out = draft(batch)
+        for b, drafts in enumerate(out):
+            if drafts is not None:
+                key = (tuple(batch.reqs[b].prompt_ids), batch.first_chain_position(b))
+                seen[key] = (drafts, batch.from_latest_target)
+        return out
+
+    drafter.draft = recording
+    return seen
+
+
+@pytest.mark.parametrize("limit", [1, 3, 6])
+def test_greedy_output_is_plain_decoding_across_the_switch(checkpoint, greedy_reference, limit):
+    prompts, reference = greedy_reference
+    engine = nextn_of(checkpoint, limit)
+    outs = engine.generate(input_ids=prompts, sampling_params=staggered_params())
+    assert [o["output_ids"] for o in outs] == reference
+    stats = engine.worker.stats
+    if limit == 1:
+        assert stats.verify_rounds == 0  # never speculates
+    else:
+        assert stats.verify_rounds > 0  # and speculated once the batch was small
+        assert all(o["meta_info"]["spec_verify_ct"] >= 0 for o in outs)
+    assert not engine.worker.undrafted  # rows of finished requests are dropped
+
+
+def test_drafts_after_catching_up_equal_uninterrupted_drafts(checkpoint, greedy_reference):
+    """At every point both engines proposed from (same request, same length), the drafts are
+    equal, including each proposal made right after the draft caught up over skipped rows:
+    its cache holds exactly what it would hold had it run every step."""
+    prompts, reference = greedy_reference
+    always = nextn_of(checkpoint)
+    uninterrupted = record_proposals(always)
+    always.generate(input_ids=prompts, sampling_params=staggered_params())
+    switching = nextn_of(checkpoint, limit=4)
+    proposals = record_proposals(switching)
+    outs = switching.generate(input_ids=prompts, sampling_params=staggered_params())
+    assert [o["output_ids"] for o in outs] == reference
+    caught_up = [key for key, (_, latest) in proposals.items() if not latest]
+    assert len(caught_up) >= 3  # requests 1..3 of the batch each caught up once
+    common = [key for key in proposals if key in uninterrupted]
+    assert set(caught_up) <= set(common)
+    assert all(proposals[key][0] == uninterrupted[key][0] for key in common)
+
+
+def test_seeded_sampling_without_speculation_is_plain_sampling(checkpoint):
+    """Steps that do not speculate sample as plain decoding does: with every step over the
+    limit, seeded sampled output is plain decoding's, token for token."""
+    prompts = make_prompts(6, seed=3)
+    params = staggered_params(temperature=0.9, seed=11)[:6]
+    plain = engine_of(checkpoint, random_seed=5).generate(input_ids=prompts, sampling_params=params)
+    nextn = nextn_of(checkpoint, limit=1, random_seed=5)
+    outs = nextn.generate(input_ids=prompts, sampling_params=params)
+    assert [o["output_ids"] for o in outs] == [o["output_ids"] for o in plain]
