@@ -128,3 +128,33 @@ def test_a_replica_asked_to_capture_runs_eagerly_and_says_why(tmp_path, monkeypa
     one_rank = Engine(**common, disable_cuda_graph=True)
     reference = one_rank.generate(input_ids=PROMPTS, sampling_params=params)
     assert ids == [r["output_ids"] for r in reference]
+
+
+def test_catching_up_after_speculation_off_matches_one_rank(tmp_path):
+    """With speculation off from 3 requests on, the replica decodes plainly until the first
+    request finishes, then the draft catches up over rows gathered across earlier steps
+    (their hidden states travel to rank 1 with the forward): output and acceptance equal
+    the one-rank engine's."""
+    path = build_tiny_v4_mtp_checkpoint(tmp_path, seed=4)[0]
+    params = [{**GREEDY, "max_new_tokens": n} for n in (8, 20, 30)]
+
+    def staggered(**parallel):
+        engine = Engine(
+            model_path=str(path),
+            dtype="float32",
+            speculative_algorithm="NEXTN",
+            speculative_disable_by_batch_size=3,
+            skip_tokenizer_init=True,
+            max_total_tokens=2048,
+            max_running_requests=8,
+            **parallel,
+        )
+        try:
+            out = engine.generate(input_ids=PROMPTS, sampling_params=params)
+            stats = engine.stats()
+        finally:
+            engine.shutdown()
+        return [r["output_ids"] for r in out], (stats.spec_verify_rounds, stats.spec_emitted_tokens)
+
+    tp2, tp1 = staggered(tp_size=2), staggered()
+    assert tp2 == tp1 and tp1[1][0] > 0
