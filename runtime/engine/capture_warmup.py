@@ -75,8 +75,7 @@ def reachable_steps(engine, runner) -> Callable[[StepKey], bool] | None:
     """Which of `runner`'s captured steps a batch can meet (None: all of them). With
     speculation off from `limit` requests on, verify rounds and the draft's steps run only
     in batches below `limit`, and the target's plain decode step only in batches of `limit`
-    and more (a request catching up in a smaller batch pads into a larger compiled
-    bucket)."""
+    and more."""
     limit = getattr(engine.worker, "disable_by_batch_size", None)
     if limit is None:
         return None

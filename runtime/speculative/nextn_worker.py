@@ -25,9 +25,9 @@ Speculation off in large batches (`SpeculativeConfig.disable_by_batch_size`, vLL
 pays while a step is bound by its fixed costs and not once it is bound by compute. A decode
 step of at least that many requests runs as plain decoding (the target's captured decode
 step, capturing each row's hidden state) and keeps, per request, the rows the draft has not
-run over (`UndraftedRows`). When the batch shrinks, each such request decodes once more as
-plain decoding and the draft extends over all its kept rows, as over a prefill chunk, and
-proposes; its next step is a verify round again.
+run over (`UndraftedRows`). When the batch shrinks, the draft first extends over all kept
+rows of each such request, as over a prefill chunk, and proposes from the newest, as it
+would after a verify round; then every request of the step verifies in one round.
 """
 
 from __future__ import annotations
@@ -141,15 +141,12 @@ class NextNWorker:
         self, prefill: Sequence[Chunk], decode: Sequence[Req]
     ) -> tuple[list[TokenOutput], list[TokenOutput]]:
         self._forget_undrafted(prefill)
-        speculate = self.speculates(len(decode))
-        rounds = [r for r in decode if speculate and r.rid not in self.undrafted]
-        plain = [r for r in decode if not speculate or r.rid in self.undrafted]
-        outputs = {}
-        if rounds:
-            outputs.update(zip((r.rid for r in rounds), self._verify(rounds)))
-        if plain:
-            outputs.update(zip((r.rid for r in plain), self._decode_plain(plain, speculate)))
-        decode_out = [outputs[r.rid] for r in decode]
+        if not decode:
+            decode_out = []
+        elif self.speculates(len(decode)):
+            decode_out = self._verify(decode, self._catch_up(decode))
+        else:
+            decode_out = self._decode_plain(decode)
         return (self._prefill(prefill) if prefill else []), decode_out
 
     def release(self, req: Req) -> None:
@@ -163,10 +160,9 @@ class NextNWorker:
         for chunk in prefill:
             self.undrafted.pop(chunk.req.rid, None)
 
-    def _decode_plain(self, reqs: Sequence[Req], catch_up: bool) -> list[TokenOutput]:
-        """One plain decode step (exactly `PlainWorker`'s sampling) whose rows the draft
-        runs over later. `catch_up`: the draft runs over every kept row of these requests
-        now and proposes, so their next step is a verify round."""
+    def _decode_plain(self, reqs: Sequence[Req]) -> list[TokenOutput]:
+        """One plain decode step (exactly `PlainWorker`'s sampling), keeping each row for
+        the draft to run over once the requests speculate again."""
         chunks = [Chunk(r, r.seq_len - 1, r.seq_len) for r in reqs]
         rows = LogitRows(chunks)
         bitmask = sampling_bitmask(chunks, self.vocab_size)  # host work before the forward
@@ -187,12 +183,18 @@ class NextNWorker:
         for req, output, row in zip(reqs, outputs, hidden):
             kept = self.undrafted.setdefault(req.rid, UndraftedRows(req, req.seq_len - 1))
             kept.append(row, output.tokens[0], reach)
-        if catch_up:
-            caught_up = [self.undrafted.pop(r.rid) for r in reqs]
-            drafts = self.drafter.draft(catch_up_draft_batch(caught_up, outputs))
-            for output, drafted in zip(outputs, drafts):
-                output.draft_tokens = drafted
         return outputs
+
+    def _catch_up(self, reqs: Sequence[Req]) -> dict[str, list[int]]:
+        """Drafts for this step's round of the requests that decoded without speculation:
+        the draft runs over every row it skipped (the newest one is followed by the
+        request's newest token) and proposes from the newest, as it does after a verify
+        round. By request id; empty when every request has its drafts already."""
+        behind = [self.undrafted.pop(r.rid) for r in reqs if r.rid in self.undrafted]
+        if not behind:
+            return {}
+        drafts = self.drafter.draft(catch_up_draft_batch(behind))
+        return {rows.req.rid: drafted for rows, drafted in zip(behind, drafts)}
 
     def _prefill(self, chunks: Sequence[Chunk]) -> list[TokenOutput]:
         """Target extend, a token for every chunk that completes its prompt, then the draft
@@ -216,11 +218,12 @@ class NextNWorker:
             output.draft_tokens = drafted
         return outputs
 
-    def _verify(self, reqs: Sequence[Req]) -> list[TokenOutput]:
+    def _verify(self, reqs: Sequence[Req], fresh: dict[str, list[int]]) -> list[TokenOutput]:
         """One round per request, as gpt-fast's `speculative_decode`: the target scores the
-        pending drafts in one pass, accepts a prefix, commits it, and the draft proposes
-        the next round's tokens from the verified rows."""
-        drafts = pending_drafts(reqs)  # [bs, S]
+        pending drafts (`fresh` ones for requests that just caught up) in one pass, accepts
+        a prefix, commits it, and the draft proposes the next round's tokens from the
+        verified rows."""
+        drafts = pending_drafts(reqs, fresh)  # [bs, S]
         bitmask = verify_bitmask(reqs, drafts, self.vocab_size)  # host work before the forward
         out = self.target.forward(verify_input(reqs, drafts))  # [bs * (S + 1)] rows
         result = self._accept(reqs, drafts, out.next_token_logits, bitmask)
@@ -290,9 +293,10 @@ class NextNWorker:
 # ---------------------------------------------------------------------------------------
 
 
-def pending_drafts(reqs: Sequence[Req]) -> torch.Tensor:
-    """`[bs, S]`: the drafts each request got from its previous step."""
-    return torch.tensor([r.draft_tokens for r in reqs], dtype=torch.long)
+def pending_drafts(reqs: Sequence[Req], fresh: dict[str, list[int]]) -> torch.Tensor:
+    """`[bs, S]`: the drafts each request got from its previous step, or this step's when
+    it caught up (`fresh`, by request id)."""
+    return torch.tensor([fresh.get(r.rid, r.draft_tokens) for r in reqs], dtype=torch.long)
 
 
 def verify_input(reqs: Sequence[Req], drafts: torch.Tensor) -> ModelInput:
@@ -352,11 +356,9 @@ def redraft_batch(
     )
 
 
-def catch_up_draft_batch(
-    kept: Sequence[UndraftedRows], outputs: Sequence[TokenOutput]
-) -> DraftBatch:
+def catch_up_draft_batch(kept: Sequence[UndraftedRows]) -> DraftBatch:
     """The draft's pass over the rows requests decoded without speculation, proposing from
-    each request's newest row (whose following token this step just sampled)."""
+    each request's newest row. Their grammars have seen every emitted token already."""
     reqs = [k.req for k in kept]
     return DraftBatch(
         reqs=reqs,
@@ -366,7 +368,7 @@ def catch_up_draft_batch(
         target_hidden=torch.stack([h for k in kept for h in k.hidden]),
         gather_rows=[len(k) - 1 for k in kept],
         propose=[True] * len(kept),
-        pending_tokens=[o.tokens for o in outputs] if any(r.grammar for r in reqs) else None,
+        pending_tokens=[[] for _ in kept] if any(r.grammar for r in reqs) else None,
         from_latest_target=False,
     )
 

@@ -72,8 +72,8 @@ def test_startup_compiles_every_kind_at_every_bucket_then_serves(
 def test_startup_compiles_only_the_steps_a_batch_can_meet(v4_mtp_ckpt, stubbed_compiles):
     """With speculation off from 3 requests on, the target's plain decode step compiles only
     at buckets holding 3 or more requests (4), verify rounds and the draft's steps only at
-    buckets of fewer (1, 2); serving then compiles nothing (a request catching up in a
-    smaller batch pads into bucket 4) and gives plain decoding's tokens."""
+    buckets of fewer (1, 2); serving then compiles nothing and gives plain decoding's
+    tokens."""
     common = dict(model_path=str(v4_mtp_ckpt), dtype="float32", page_size=4)
     prompts = prompts_of((5, 17, 9, 30, 12), seed=6)
     lengths = [14, 6, 20, 9, 11]

@@ -125,3 +125,24 @@ def test_seeded_sampling_without_speculation_is_plain_sampling(checkpoint):
     nextn = nextn_of(checkpoint, limit=1, random_seed=5)
     outs = nextn.generate(input_ids=prompts, sampling_params=params)
     assert [o["output_ids"] for o in outs] == [o["output_ids"] for o in plain]
+
+
+def test_constrained_requests_catch_up_under_their_grammars():
+    """Requests with a regex, an EBNF and a JSON schema on the embedded model, with
+    speculation off from 3 requests on: each decodes plainly while all three run, the
+    draft catches up under each grammar as they finish, and the greedy output is plain
+    decoding's (the catch-up drafts are grammatical, so they are accepted)."""
+    import json
+
+    from tests.server.test_clients import EBNF, REGEX, SCHEMA
+
+    prompts = ["def add(a, b):\n", "class Foo:\n    def __init__(self):\n        ", "settings = "]
+    grammars = [{"regex": REGEX}, {"ebnf": EBNF}, {"json_schema": json.dumps(SCHEMA)}]
+    params = [{"temperature": 0, "max_new_tokens": n, **g} for n, g in zip((6, 24, 40), grammars)]
+    common = dict(dtype="float32", constrained_json_disable_any_whitespace=True)
+    plain = Engine(**common).generate(prompts, params)
+    nextn = Engine(**common, speculative_algorithm="NEXTN", speculative_disable_by_batch_size=3)
+    outs = nextn.generate(prompts, params)
+    assert [o["output_ids"] for o in outs] == [o["output_ids"] for o in plain]
+    assert outs[2]["meta_info"]["spec_verify_ct"] > 0  # it speculated after catching up
+    assert nextn.worker.stats.avg_accept_length > 1.5
