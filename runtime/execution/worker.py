@@ -162,8 +162,9 @@ class PlainWorker:
         """Positions past `seq_len` a step may write (none: decode writes `seq_len - 1`)."""
         return 0
 
-    def release(self, req) -> None:
-        """`req` left the running batch (finished, retracted or aborted): nothing is kept."""
+    def release(self, req, keep_state: bool = False) -> None:
+        """`req` leaves the running batch (finished, retracted or aborted): nothing is kept
+        for it here."""
 
     def step(
         self, prefill: Sequence[Chunk], decode: Sequence

@@ -307,7 +307,9 @@ class Scheduler:
         """Free what `req` holds; with `keep_state` the prefix cache may keep its computed
         prefix (see `PrefixCache.release` for `verify_row`)."""
         self.running.remove(req)
-        self.worker.release(req)
+        drafts = self.worker.release(req, keep_state and self.prefix_cache.enabled)
+        if drafts is not None:  # the drafts of the round it resumes with
+            req.draft_tokens = drafts
         self.prefix_cache.release(req, keep_state, verify_row)
 
     def _drop(self, req: Req, message: str) -> None:

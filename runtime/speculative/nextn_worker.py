@@ -140,7 +140,6 @@ class NextNWorker:
     def step(
         self, prefill: Sequence[Chunk], decode: Sequence[Req]
     ) -> tuple[list[TokenOutput], list[TokenOutput]]:
-        self._forget_undrafted(prefill)
         if not decode:
             decode_out = []
         elif self.speculates(len(decode)):
@@ -149,16 +148,17 @@ class NextNWorker:
             decode_out = self._decode_plain(decode)
         return (self._prefill(prefill) if prefill else []), decode_out
 
-    def release(self, req: Req) -> None:
-        """`req` left the running batch (finished, retracted or aborted): a retracted request
-        prefills again, and a prefill's draft pass rebuilds the draft's cache from the
-        target's rows, so the kept rows are dropped either way."""
-        self.undrafted.pop(req.rid, None)
-
-    def _forget_undrafted(self, prefill: Sequence[Chunk]) -> None:
-        """Rows kept for requests that prefill again (put back by the prefix cache)."""
-        for chunk in prefill:
-            self.undrafted.pop(chunk.req.rid, None)
+    def release(self, req: Req, keep_state: bool = False) -> list[int] | None:
+        """`req` leaves the running batch (finished, retracted or aborted) and its rows are
+        dropped. `keep_state`: the prefix cache keeps its state, so the draft first runs over
+        them (the cached draft state is then what speculating every step leaves, for a
+        later request that resumes from it), and a request that is not finished (retracted,
+        to resume right there) gets the drafts of its next round, which are returned."""
+        rows = self.undrafted.pop(req.rid, None)
+        if rows is None or not keep_state:
+            return None
+        batch = catch_up_draft_batch([rows], propose=not req.finished)
+        return self.drafter.draft(batch)[0]
 
     def _decode_plain(self, reqs: Sequence[Req]) -> list[TokenOutput]:
         """One plain decode step (exactly `PlainWorker`'s sampling), keeping each row for
@@ -356,9 +356,10 @@ def redraft_batch(
     )
 
 
-def catch_up_draft_batch(kept: Sequence[UndraftedRows]) -> DraftBatch:
+def catch_up_draft_batch(kept: Sequence[UndraftedRows], propose: bool = True) -> DraftBatch:
     """The draft's pass over the rows requests decoded without speculation, proposing from
-    each request's newest row. Their grammars have seen every emitted token already."""
+    each request's newest row (`propose`). Their grammars have seen every emitted token
+    already."""
     reqs = [k.req for k in kept]
     return DraftBatch(
         reqs=reqs,
@@ -367,7 +368,7 @@ def catch_up_draft_batch(kept: Sequence[UndraftedRows]) -> DraftBatch:
         next_tokens=torch.tensor([t for k in kept for t in k.following], dtype=torch.long),
         target_hidden=torch.stack([h for k in kept for h in k.hidden]),
         gather_rows=[len(k) - 1 for k in kept],
-        propose=[True] * len(kept),
+        propose=[propose] * len(kept),
         pending_tokens=[[] for _ in kept] if any(r.grammar for r in reqs) else None,
         from_latest_target=False,
     )

@@ -5,7 +5,6 @@ on a free loopback port. Rank 0's return value comes back through a file."""
 from __future__ import annotations
 
 import os
-import socket
 import tempfile
 
 import torch
@@ -13,12 +12,7 @@ import torch.multiprocessing as mp
 
 from runtime.distributed import ParallelLayout
 from runtime.distributed.replica import destroy_replica, init_replica
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.server_process import free_port
 
 
 def _rank_main(rank: int, layout: ParallelLayout, port: int, out: str, fn, args) -> None:

@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
-from tests.distributed.harness import free_port
+from tests.server_process import ServerProcess, free_port
 from tests.tiny_checkpoints import build_tiny_v4_mtp_checkpoint, save_char_tokenizer
 
 pytestmark = pytest.mark.slow
@@ -25,55 +25,9 @@ PROMPTS = ["def main(", "The quick brown fox", "x = [1, 2, 3]"]
 GREEDY = {"temperature": 0, "max_new_tokens": 24}
 
 
-class Launched:
-    """`python -m runtime.launch_server ...` with its output in a log file."""
-
-    def __init__(self, log_dir, name: str, *flags: str, port: int | None = None, wait=True):
-        self.port = port or free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_dir / f"{name}.log"
-        self.log = open(self.log_path, "w")
-        cmd = [sys.executable, "-m", "runtime.launch_server", "--port", str(self.port), *flags]
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
-        if wait:
-            self.wait_healthy()
-
-    def wait_healthy(self, timeout: float = 240) -> None:
-        deadline = time.time() + timeout
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.output()}")
-            try:
-                if requests.get(self.url + "/health", timeout=1).status_code == 200:
-                    return
-            except requests.RequestException:
-                pass
-            time.sleep(0.3)
-        raise RuntimeError(f"server did not come up:\n{self.output()}")
-
-    def output(self) -> str:
-        if not self.log.closed:
-            self.log.flush()
-        return self.log_path.read_text()
-
-    def generate(self, text: str, params=GREEDY) -> dict:
-        body = {"text": text, "sampling_params": params}
-        response = requests.post(self.url + "/generate", json=body, timeout=300)
-        assert response.status_code == 200, response.text
-        return response.json()
-
-    def info(self) -> dict:
-        return requests.get(self.url + "/get_server_info", timeout=30).json()
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-        self.log.close()
+def launched(log_dir, name: str, *flags: str, wait: bool = True) -> ServerProcess:
+    """A server whose output goes to `<log_dir>/<name>.log`."""
+    return ServerProcess(*flags, log_path=log_dir / f"{name}.log", wait=wait)
 
 
 @pytest.fixture(scope="module")
@@ -102,17 +56,17 @@ def common_flags(checkpoint) -> list[str]:
 
 @pytest.fixture(scope="module")
 def one_rank(checkpoint, tmp_path_factory):
-    server = Launched(tmp_path_factory.mktemp("logs"), "tp1", *common_flags(checkpoint))
+    server = launched(tmp_path_factory.mktemp("logs"), "tp1", *common_flags(checkpoint))
     yield server
     server.stop()
 
 
-def answers(server: Launched) -> dict:
+def answers(server: ServerProcess) -> dict:
     """Greedy answers through /generate and the OpenAI client (completions and chat)."""
     from openai import OpenAI
 
     client = OpenAI(base_url=server.url + "/v1", api_key="none")
-    out = {"generate": [server.generate(p)["text"] for p in PROMPTS]}
+    out = {"generate": [server.generate(p, GREEDY)["text"] for p in PROMPTS]}
     out["completions"] = [
         client.completions.create(model="tiny", prompt=p, max_tokens=24, temperature=0)
         .choices[0]
@@ -130,7 +84,7 @@ def answers(server: Launched) -> dict:
 
 
 def test_tp2_nextn_server_answers_like_one_rank(checkpoint, one_rank, tmp_path):
-    server = Launched(tmp_path, "tp2", *common_flags(checkpoint), "--tp-size", "2")
+    server = launched(tmp_path, "tp2", *common_flags(checkpoint), "--tp-size", "2")
     try:
         got = answers(server)
         info = server.info()
@@ -145,23 +99,23 @@ def test_two_nodes_form_one_replica(checkpoint, one_rank, tmp_path):
     rendezvous = f"127.0.0.1:{free_port()}"
     flags = [*common_flags(checkpoint), "--tp-size", "2", "--nnodes", "2"]
     flags += ["--dist-init-addr", rendezvous]
-    node0 = Launched(tmp_path, "node0", *flags, "--node-rank", "0", wait=False)
-    node1 = Launched(tmp_path, "node1", *flags, "--node-rank", "1", wait=False)
+    node0 = launched(tmp_path, "node0", *flags, "--node-rank", "0", wait=False)
+    node1 = launched(tmp_path, "node1", *flags, "--node-rank", "1", wait=False)
     try:
         node0.wait_healthy()
-        got = [node0.generate(p)["text"] for p in PROMPTS]
+        got = [node0.generate(p, GREEDY)["text"] for p in PROMPTS]
         pids = [m["pid"] for m in node0.info()["rank_memory"]]
     finally:
         node0.stop()
         node1.proc.wait(timeout=60)  # rank 0 stopped it
         node1.stop()
-    assert got == [one_rank.generate(p)["text"] for p in PROMPTS]
+    assert got == [one_rank.generate(p, GREEDY)["text"] for p in PROMPTS]
     assert pids[0] == node0.proc.pid and pids[1] == node1.proc.pid
     assert node1.proc.returncode == 0, node1.output()
 
 
 def test_killing_a_rank_stops_the_server_naming_it(checkpoint, tmp_path):
-    server = Launched(tmp_path, "doomed", *common_flags(checkpoint), "--tp-size", "2")
+    server = launched(tmp_path, "doomed", *common_flags(checkpoint), "--tp-size", "2")
     try:
         rank1 = server.info()["rank_memory"][1]["pid"]
         long = {"temperature": 0, "max_new_tokens": 400, "ignore_eos": True}
@@ -190,7 +144,7 @@ def _quietly(fn, *args):
 
 def test_two_replicas_behind_sglang_router(checkpoint, tmp_path):
     pytest.importorskip("sglang_router", reason="pip install sglang-router (the test extra)")
-    replicas = [Launched(tmp_path, f"replica{i}", *common_flags(checkpoint)) for i in range(2)]
+    replicas = [launched(tmp_path, f"replica{i}", *common_flags(checkpoint)) for i in range(2)]
     port = free_port()
     router_log = open(tmp_path / "router.log", "w")
     router = subprocess.Popen(

@@ -8,12 +8,9 @@ from __future__ import annotations
 
 import importlib
 import json
-import os
 import re
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -24,6 +21,7 @@ from runtime.layers import hyper_connection
 from scripts import REPO_ROOT
 from scripts.bench import datasets, hf_baseline
 from scripts.tiny_training.corpus import split_by_file, stdlib_sources
+from tests.server_process import ServerProcess
 from tests.tiny_checkpoints import build_tiny_v4_mtp_checkpoint, save_char_tokenizer
 
 
@@ -403,56 +401,25 @@ def test_offline_prompt_file(ckpt, tmp_path, capsys):
 # bench_serving
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def nextn_server(ckpt, tmp_path_factory):
     """A NEXTN server on a free loopback port; yields its base URL."""
-    import requests
-
-    port = free_port()
-    log = (tmp_path_factory.mktemp("server") / "server.log").open("w")
-    cmd = [
-        sys.executable,
-        "-m",
-        "runtime.launch_server",
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    server = ServerProcess(
         "--model-path",
         str(ckpt),
-        "--port",
-        str(port),
         "--dtype",
         "float32",
         "--log-level",
         "warning",
         "--speculative-algorithm",
         "NEXTN",
-    ]
-    proc = subprocess.Popen(
-        cmd,
-        cwd=str(REPO_ROOT),
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        log_path=log,
     )
-    url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None and time.monotonic() < deadline, "the server did not start"
-            try:
-                if requests.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except requests.RequestException:
-                time.sleep(0.2)
-        yield url
+        yield server.url
     finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-        log.close()
+        server.stop()
 
 
 def check_serving(text: str, record: dict, num: int, output_len: int) -> dict[str, str]:

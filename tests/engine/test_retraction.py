@@ -225,3 +225,27 @@ def test_n_copies_with_a_seed_differ_and_reproduce(ckpt, prompts):
     assert outputs == [r["output_ids"] for r in again]
     single = engine.generate(input_ids=prompts[0], sampling_params={**params, "n": 1})
     assert single["output_ids"] == outputs[0]
+
+
+@pytest.mark.parametrize("page_size,chunk,pool", [(16, 16, "just-fitting"), (4, 7, "half")])
+def test_speculation_off_in_large_batches_under_retraction_equals_plain(
+    ckpt, prompts, plain_reference, page_size, chunk, pool
+):
+    """With speculation off from 3 requests on, requests are retracted while decoding
+    without speculation (the draft catches up over their rows before the prefix cache keeps
+    their state, and they resume with that round's drafts) and while speculating."""
+    fit = just_fitting_pool(prompts, page_size)
+    total = sum(len(p) + NEW_TOKENS + 2 * STEPS for p in prompts)
+    size = {"just-fitting": fit, "half": max(fit, total // 2)}[pool]
+    engine = engine_for(
+        ckpt,
+        True,
+        page_size=page_size,
+        chunked_prefill_size=chunk,
+        max_total_tokens=-(-size // page_size) * page_size,
+        speculative_disable_by_batch_size=3,
+    )
+    reqs = run_all(engine, prompts, GREEDY)
+    assert [r.output_ids for r in reqs] == plain_reference
+    assert engine.scheduler.num_retractions > 0
+    assert engine.worker.stats.verify_rounds > 0 and not engine.worker.undrafted

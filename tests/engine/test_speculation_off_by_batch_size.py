@@ -146,3 +146,28 @@ def test_constrained_requests_catch_up_under_their_grammars():
     assert [o["output_ids"] for o in outs] == [o["output_ids"] for o in plain]
     assert outs[2]["meta_info"]["spec_verify_ct"] > 0  # it speculated after catching up
     assert nextn.worker.stats.avg_accept_length > 1.5
+
+
+def test_the_prefix_cache_keeps_the_draft_state_of_rows_decoded_without_speculation(
+    checkpoint,
+):
+    """A first turn decodes without speculation; a second turn resends it with a few more
+    tokens and resumes from the prefix cache. Its drafts equal those of an engine that
+    speculated through the first turn: the draft ran over the skipped rows before the
+    prefix cache kept the request's state."""
+    prompt = make_prompts(1, seed=5, low=20, high=21)[0]
+    first = {"temperature": 0, "max_new_tokens": 30, "ignore_eos": True}
+
+    def second_turn_proposals(limit):
+        engine = nextn_of(checkpoint, limit)
+        answer = engine.generate(input_ids=prompt, sampling_params=first)["output_ids"]
+        engine.worker.disable_by_batch_size = None  # the second turn speculates
+        proposals = record_proposals(engine)
+        out = engine.generate(input_ids=prompt + answer + [5, 6], sampling_params=first)
+        assert out["meta_info"]["cached_tokens"] >= len(prompt) + len(answer) - 4
+        return out["output_ids"], proposals
+
+    ids, proposals = second_turn_proposals(limit=1)
+    reference_ids, reference = second_turn_proposals(limit=None)
+    assert ids == reference_ids
+    assert proposals == reference

@@ -22,7 +22,7 @@ from runtime import Engine
 from runtime.engine.async_engine import AsyncEngine
 from runtime.server.app import create_app
 from runtime.server_args import ServerArgs
-from tests.server.conftest import ServerProcess
+from tests.server.conftest import serve
 
 PROMPT = "def fib(n): return n"
 SHORT = {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True}
@@ -211,7 +211,7 @@ def test_wrong_methods_on_every_route(spec_server):
 
 
 def test_bodies_over_the_limit_get_413(served_checkpoint):
-    server = ServerProcess(served_checkpoint, "--max-body-size", "100000")
+    server = serve(served_checkpoint, "--max-body-size", "100000")
     try:
         big = {"text": "a" * 200_000}
         response = server.post(G, json=big)
@@ -334,7 +334,7 @@ def test_bearer_scheme_is_case_insensitive(plain_server):
 
 
 def test_sigterm_waits_the_grace_period_then_aborts_and_exits(served_checkpoint):
-    server = ServerProcess(served_checkpoint, "--graceful-shutdown-timeout", "1")
+    server = serve(served_checkpoint, "--graceful-shutdown-timeout", "1")
     threads = [
         _in_background(lambda: server.post(G, json={"text": PROMPT, "sampling_params": LONG}))
         for _ in range(2)

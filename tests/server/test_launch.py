@@ -62,9 +62,9 @@ def test_launch_server_serves_the_default_model_with_nextn():
     """`launch_server --speculative-algorithm NEXTN` on a fresh clone: no model path needed."""
     import requests
 
-    from tests.server.conftest import ServerProcess
+    from tests.server.conftest import serve
 
-    server = ServerProcess(None, "--speculative-algorithm", "NEXTN")
+    server = serve(None, "--speculative-algorithm", "NEXTN")
     try:
         out = server.post(
             "/generate",

@@ -13,7 +13,7 @@ import openai
 import pytest
 import requests
 
-from tests.server.conftest import ServerProcess
+from tests.server.conftest import serve
 
 PROMPT = "def fib(n): return n"
 
@@ -416,7 +416,7 @@ def test_small_cache_retracts_and_keeps_greedy_output(served_checkpoint, spec_se
             "/generate", json={"text": prompts, "sampling_params": params}
         ).json()
     ]
-    small = ServerProcess(
+    small = serve(
         served_checkpoint,
         "--max-total-tokens",
         "256",
