@@ -162,9 +162,10 @@ class PlainWorker:
         """Positions past `seq_len` a step may write (none: decode writes `seq_len - 1`)."""
         return 0
 
-    def release(self, req, keep_state: bool = False) -> None:
-        """`req` leaves the running batch (finished, retracted or aborted): nothing is kept
-        for it here."""
+    def release(self, reqs: Sequence, keep_state: bool = False) -> list[None]:
+        """`reqs` leave the running batch (finished, retracted or aborted): nothing is kept
+        for them here, and no drafts come back."""
+        return [None] * len(reqs)
 
     def step(
         self, prefill: Sequence[Chunk], decode: Sequence

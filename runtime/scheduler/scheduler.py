@@ -69,6 +69,7 @@ class Scheduler:
         self.running: list[Req] = []
         self.isolation = FaultIsolation()
         self._last_step_prefilled = False
+        self._finishing: list[tuple[Req, int | None]] = []  # (request, verify row) this step
         self.num_retractions = 0
         self.num_failed_steps = 0
 
@@ -135,6 +136,7 @@ class Scheduler:
             return touched + self._isolate(prefill, decode, error)
         touched += self._commit_prefill(prefill, prefill_out)
         touched += self._commit_decode(decode, decode_out)
+        self._release_finished()
         self.isolation.settle()
         return touched
 
@@ -306,11 +308,26 @@ class Scheduler:
     def _release(self, req: Req, keep_state: bool = False, verify_row: int | None = None) -> None:
         """Free what `req` holds; with `keep_state` the prefix cache may keep its computed
         prefix (see `PrefixCache.release` for `verify_row`)."""
-        self.running.remove(req)
-        drafts = self.worker.release(req, keep_state and self.prefix_cache.enabled)
+        (drafts,) = self.worker.release([req], keep_state and self.prefix_cache.enabled)
         if drafts is not None:  # the drafts of the round it resumes with
             req.draft_tokens = drafts
+        self._free(req, keep_state, verify_row)
+
+    def _free(self, req: Req, keep_state: bool, verify_row: int | None) -> None:
+        self.running.remove(req)
         self.prefix_cache.release(req, keep_state, verify_row)
+
+    def _release_finished(self) -> None:
+        """Free the requests that finished in this step, the prefix cache keeping their state;
+        the worker lets go of them all at once (a speculative worker may run its draft over
+        each one's skipped rows first, in one batch)."""
+        finishing, self._finishing = self._finishing, []
+        if not finishing:
+            return
+        self.worker.release([req for req, _ in finishing], self.prefix_cache.enabled)
+        for req, verify_row in finishing:
+            self._free(req, True, verify_row)
+            self.isolation.forget(req)
 
     def _drop(self, req: Req, message: str) -> None:
         """Abort a request that holds no slots (any more)."""
@@ -363,6 +380,7 @@ class Scheduler:
             return commit(*args)
         except Exception as error:  # noqa: BLE001 - e.g. a detokenizer failing on a token
             logger.exception("committing the output of request %s failed", req.rid)
+            self._finishing = [(r, row) for r, row in self._finishing if r is not req]
             if req.req_pool_idx is not None:
                 self._release(req)
             self._drop(req, f"internal error while committing this request: {error!r}")
@@ -423,5 +441,4 @@ class Scheduler:
             # a speculative round that emitted tokens past the stop left the caches at its
             # last row; the state at the stop is that after verify row `appended - 1`
             verify_row = appended - 1 if appended < len(out.tokens) else None
-            self._release(req, keep_state=True, verify_row=verify_row)
-            self.isolation.forget(req)
+            self._finishing.append((req, verify_row))  # freed once the step is committed

@@ -148,17 +148,20 @@ class NextNWorker:
             decode_out = self._decode_plain(decode)
         return (self._prefill(prefill) if prefill else []), decode_out
 
-    def release(self, req: Req, keep_state: bool = False) -> list[int] | None:
-        """`req` leaves the running batch (finished, retracted or aborted) and its rows are
-        dropped. `keep_state`: the prefix cache keeps its state, so the draft first runs over
-        them (the cached draft state is then what speculating every step leaves, for a
-        later request that resumes from it), and a request that is not finished (retracted,
-        to resume right there) gets the drafts of its next round, which are returned."""
-        rows = self.undrafted.pop(req.rid, None)
-        if rows is None or not keep_state:
-            return None
-        batch = catch_up_draft_batch([rows], propose=not req.finished)
-        return self.drafter.draft(batch)[0]
+    def release(self, reqs: Sequence[Req], keep_state: bool = False) -> list[list[int] | None]:
+        """`reqs` leave the running batch (finished, retracted or aborted) and their rows are
+        dropped. `keep_state`: the prefix cache keeps their state, so the draft first runs
+        over the rows (in one pass for all of them; the cached draft state is then what
+        speculating every step leaves, for a later request that resumes from it), and a
+        request that is not finished (retracted, to resume right there) gets the drafts of
+        its next round. Returns those drafts, None for the others."""
+        kept = {r.rid: self.undrafted.pop(r.rid) for r in reqs if r.rid in self.undrafted}
+        if not kept or not keep_state:
+            return [None] * len(reqs)
+        rows = list(kept.values())
+        batch = catch_up_draft_batch(rows, [not k.req.finished for k in rows])
+        drafts = dict(zip(kept, self.drafter.draft(batch)))
+        return [drafts.get(r.rid) for r in reqs]
 
     def _decode_plain(self, reqs: Sequence[Req]) -> list[TokenOutput]:
         """One plain decode step (exactly `PlainWorker`'s sampling), keeping each row for
@@ -356,10 +359,12 @@ def redraft_batch(
     )
 
 
-def catch_up_draft_batch(kept: Sequence[UndraftedRows], propose: bool = True) -> DraftBatch:
+def catch_up_draft_batch(
+    kept: Sequence[UndraftedRows], propose: Sequence[bool] | None = None
+) -> DraftBatch:
     """The draft's pass over the rows requests decoded without speculation, proposing from
-    each request's newest row (`propose`). Their grammars have seen every emitted token
-    already."""
+    each request's newest row (where `propose` says so; default all). Their grammars have
+    seen every emitted token already."""
     reqs = [k.req for k in kept]
     return DraftBatch(
         reqs=reqs,
@@ -368,7 +373,7 @@ def catch_up_draft_batch(kept: Sequence[UndraftedRows], propose: bool = True) ->
         next_tokens=torch.tensor([t for k in kept for t in k.following], dtype=torch.long),
         target_hidden=torch.stack([h for k in kept for h in k.hidden]),
         gather_rows=[len(k) - 1 for k in kept],
-        propose=[propose] * len(kept),
+        propose=[True] * len(kept) if propose is None else list(propose),
         pending_tokens=[[] for _ in kept] if any(r.grammar for r in reqs) else None,
         from_latest_target=False,
     )
