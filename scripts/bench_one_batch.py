@@ -73,6 +73,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "then fresh prefills of the same prompts with the prefix cache flushed; HF the "
         "same) and report the median: one prefill per batch size is a single timing",
     )
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="run every setting this many times, the variants taking turns, and report the "
+        "run of median decode throughput (ratios then survive a machine whose speed drifts)",
+    )
     p.add_argument("--run-name", default="default", help="tag stored in the JSONL records")
     p.add_argument("--result-filename", help="append one JSONL record per row")
     flags.add_hf_baseline_arg(p)
@@ -89,6 +96,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} values must be >= 1")
     if args.prefill_repeats < 1:
         p.error("--prefill-repeats must be >= 1")
+    if args.repeats < 1:
+        p.error("--repeats must be >= 1")
     if min(args.output_len) < 2:
         p.error(
             "--output-len values must be >= 2 (the prefill token plus at least one decode step)"
@@ -207,19 +216,37 @@ def warm_up(engine, args, settings) -> None:
 
 def run_variants(args, variants: list[Variant], settings) -> tuple[list, list, dict]:
     """Every setting through one engine per variant; (rows, overhead reports, our greedy
-    output ids per setting for the HF comparison)."""
-    rows, overhead, reference = [], [], {}
+    output ids per setting for the HF comparison). With `--repeats N` every engine is built
+    and warmed first, then each setting runs N times with the variants taking turns, and
+    each row is the run of median decode throughput: drift of the machine (other tenants,
+    clocks) then moves every variant alike instead of whichever ran during it."""
+    engines = []
     for variant in variants:
         engine = engine_for(args, variant, settings)
         warm_up(engine, args, settings)
-        for setting in progress(settings, args.disable_tqdm, desc=variant.label):
-            row = measure_setting(engine, variant, args, setting)
+        engines.append(engine)
+    runs: dict[tuple[str, tuple], list[dict]] = {}
+    for _ in range(args.repeats):
+        for setting in progress(settings, args.disable_tqdm, desc="settings"):
+            for variant, engine in zip(variants, engines):
+                row = measure_setting(engine, variant, args, setting)
+                runs.setdefault((variant.label, setting), []).append(row)
+    rows, reference = [], {}
+    for variant in variants:
+        for setting in settings:
+            row = median_run(runs[(variant.label, setting)])
             reference.setdefault(setting, row["output_ids"])
             rows.append(row)
-        if args.profile_overhead:
-            overhead.append(profile_overhead(engine, variant, args))
-        del engine
+    overhead = []
+    if args.profile_overhead:
+        overhead = [profile_overhead(e, v, args) for v, e in zip(variants, engines)]
     return rows, overhead, reference
+
+
+def median_run(rows: list[dict]) -> dict:
+    """The run of median decode throughput (the lower middle one of an even count)."""
+    ordered = sorted(rows, key=lambda row: row["decode_throughput"])
+    return ordered[(len(ordered) - 1) // 2]
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -674,3 +674,32 @@ def test_one_batch_prefills_are_fresh_and_repeated(ckpt, tmp_path, monkeypatch):
     assert cached_before["repeat"] == [2, 2]
     assert hf_new_tokens.count(1) == 2
     assert out["hf_rows"][0]["same_greedy_tokens_as_ours"] == "2/2"
+
+
+def test_one_batch_repeats_take_turns_and_report_the_median_run(ckpt, monkeypatch):
+    """`--repeats 3`: both engines are warmed first, then every setting runs three times with
+    plain and NEXTN alternating, and each reported row is that variant's run of median
+    decode throughput."""
+    bench = script("bench_one_batch")
+    order, runs = [], {}
+
+    def measure_setting(engine, variant, args, setting, real=bench.measure_setting):
+        row = real(engine, variant, args, setting)
+        order.append((variant.label, setting[0]))
+        runs.setdefault((variant.label, setting[0]), []).append(row)
+        return row
+
+    monkeypatch.setattr(bench, "measure_setting", measure_setting)
+    out = bench.main(
+        ["--model-path", str(ckpt), *COMMON, "--compare", "--repeats", "3"]
+        + ["--batch-size", "1", "2", "--input-len", "6", "--output-len", "4"]
+    )
+    labels = [label for label, _ in order]
+    assert labels == ["plain", "NEXTN(steps=3)"] * 6  # the variants take turns
+    assert [bs for _, bs in order] == [1, 1, 2, 2] * 3
+    assert len(out["rows"]) == 4
+    for row in out["rows"]:
+        mine = runs[(row["variant"], row["batch_size"])]
+        throughputs = sorted(r["decode_throughput"] for r in mine)
+        assert len(mine) == 3 and any(row is r for r in mine)
+        assert row["decode_throughput"] == throughputs[1]
