@@ -18,11 +18,9 @@ Where no tie straddles the k-th place every tie rule keeps the same set, and one
 `topk` over the padded row decides. Rows with such a tie go through `topk` over exactly
 their first `lengths` entries, grouped by length. Returns `(indices [N, k], valid [N, k])`,
 indices ascending (the order the reference's block mask visits them in), an index valid
-iff it is below `visible` (invalid ones may point past the row: callers clamp them); `C < k`
-is padded. The fixed-size part stays in a compiled step's graph; the grouped fix-up is a
-custom op with a fake implementation, one opaque node that edits the indices in place.
-Inside CUDA graph capture the fix-up (it needs the host) is skipped: CUDA's `topk` breaks
-ties its own way anyway.
+iff it is below `visible`; `C < k` is padded. It is a custom op with a fake implementation,
+so a compiled step sees one opaque node of fixed output shape. Inside CUDA graph capture the
+grouped fix-up (it needs the host) is skipped: CUDA's `topk` breaks ties its own way anyway.
 """
 
 from __future__ import annotations
@@ -43,37 +41,29 @@ def indexer_topk_reference(
     return indices, indices < visible.unsqueeze(1)
 
 
+@torch.library.custom_op("nextn::indexer_topk", mutates_args=())
 def indexer_topk(
     scores: torch.Tensor, lengths: torch.Tensor, visible: torch.Tensor, k: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Fixed-shape math a compiled step keeps in its graph (one `topk` of `k + 1` over the
-    row padded with `-inf`, so rows of fewer than `k + 1` entries need no branch); only the
-    tie fix-up, which needs the host, is an opaque op (`break_ties`)."""
-    padded = F.pad(scores, (0, k + 1), value=float("-inf"))
-    values, indices = padded.topk(k + 1, dim=1)
+    num_rows, width = scores.shape
+    if width <= k:  # everything fits: the selection is every entry (padded to k)
+        indices = torch.arange(k, device=scores.device).expand(num_rows, k).contiguous()
+        return indices, indices < visible.unsqueeze(1)
+    values, indices = scores.topk(k + 1, dim=1)
     indices = indices[:, :k].contiguous()
     tied = (values[:, k - 1] == values[:, k]) & (visible > k)
-    break_ties(indices, tied, scores, lengths, k)
+    capturing = scores.is_cuda and torch.cuda.is_current_stream_capturing()
+    if not capturing and bool(tied.any()):
+        tied_rows = tied.nonzero().squeeze(1)
+        tied_lengths = lengths[tied_rows]
+        for length in torch.unique(tied_lengths).tolist():
+            group = tied_rows[tied_lengths == length]
+            indices[group] = scores[group, :length].topk(k, dim=1).indices
     indices = indices.sort(dim=1).values
     return indices, indices < visible.unsqueeze(1)
 
 
-@torch.library.custom_op("nextn::indexer_break_ties", mutates_args=("indices",))
-def break_ties(
-    indices: torch.Tensor, tied: torch.Tensor, scores: torch.Tensor, lengths: torch.Tensor, k: int
-) -> None:
-    """Rows with a tie at the k-th place take `topk` over exactly their first `lengths`
-    entries (grouped by length), as the reference does; in place."""
-    capturing = scores.is_cuda and torch.cuda.is_current_stream_capturing()
-    if capturing or not bool(tied.any()):
-        return
-    tied_rows = tied.nonzero().squeeze(1)
-    tied_lengths = lengths[tied_rows]
-    for length in torch.unique(tied_lengths).tolist():
-        group = tied_rows[tied_lengths == length]
-        indices[group] = scores[group, :length].topk(k, dim=1).indices
-
-
-@break_ties.register_fake
-def _(indices, tied, scores, lengths, k):
-    return None
+@indexer_topk.register_fake
+def _(scores, lengths, visible, k):
+    shape = (scores.shape[0], k)
+    return scores.new_empty(shape, dtype=torch.long), scores.new_empty(shape, dtype=torch.bool)
