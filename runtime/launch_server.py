@@ -111,6 +111,11 @@ def main(argv: list[str] | None = None) -> None:
         + (
             f"{spec.algorithm}, steps {spec.num_steps}, topk {spec.eagle_topk}, "
             f"draft tokens {spec.num_draft_tokens}"
+            + (
+                f", off in decode batches of {spec.disable_by_batch_size}+ requests"
+                if spec.disable_by_batch_size is not None
+                else ""
+            )
             if spec
             else "off"
         ),

@@ -38,6 +38,10 @@ def test_defaults_and_speculative_resolution(tiny_v4):
             "only chain drafting",
         ),
         (["--speculative-num-steps", "2"], "need --speculative-algorithm"),
+        (
+            ["--speculative-algorithm", "NEXTN", "--speculative-disable-by-batch-size", "0"],
+            "--speculative-disable-by-batch-size must be >= 1",
+        ),
         (["--page-size", "0"], "--page-size must be >= 1"),
         (["--dtype", "int4"], "--dtype 'int4' is not supported"),
         (["--port", "70000"], "not a valid TCP port"),
