@@ -50,7 +50,6 @@ from runtime.execution.worker import (
     chunk_input,
     chunk_outputs,
     sampling_bitmask,
-    target_input,
     token_ids_logprob_outputs,
     token_logprob_outputs,
 )
@@ -167,10 +166,23 @@ class NextNWorker:
         """One plain decode step (exactly `PlainWorker`'s sampling), keeping each row for
         the draft to run over once the requests speculate again."""
         chunks = [Chunk(r, r.seq_len - 1, r.seq_len) for r in reqs]
+        outputs, hidden = self._target_over(chunks, ForwardMode.DECODE)
+        reach = self.drafter.runner.model.kv_reach
+        hidden = hidden[: len(reqs)].clone().unbind(0)
+        for req, output, row in zip(reqs, outputs, hidden):
+            kept = self.undrafted.setdefault(req.rid, UndraftedRows(req, req.seq_len - 1))
+            kept.append(row, output.tokens[0], reach)
+        return outputs
+
+    def _target_over(
+        self, chunks: Sequence[Chunk], mode: ForwardMode
+    ) -> tuple[list[TokenOutput], torch.Tensor]:
+        """The target over `chunks`, every row's hidden state captured for the draft, and the
+        token of each chunk that completes its request (plain decoding's sampling)."""
         rows = LogitRows(chunks)
         bitmask = sampling_bitmask(chunks, self.vocab_size)  # host work before the forward
-        inp = target_input(chunks, ForwardMode.DECODE)
-        inp.capture_hidden_mode = CaptureHiddenMode.FULL
+        inp = chunk_input(chunks, mode, CaptureHiddenMode.FULL)
+        inp.logits_row_indices = rows.rows
         out = self.target.forward(inp)
         outputs = chunk_outputs(
             chunks,
@@ -181,12 +193,7 @@ class NextNWorker:
             self.generator,
             bitmask,
         )
-        reach = self.drafter.runner.model.kv_reach
-        hidden = out.hidden_states[: len(reqs)].clone().unbind(0)
-        for req, output, row in zip(reqs, outputs, hidden):
-            kept = self.undrafted.setdefault(req.rid, UndraftedRows(req, req.seq_len - 1))
-            kept.append(row, output.tokens[0], reach)
-        return outputs
+        return outputs, out.hidden_states
 
     def _catch_up(self, reqs: Sequence[Req]) -> dict[str, list[int]]:
         """Drafts for this step's round of the requests that decoded without speculation:
@@ -202,21 +209,8 @@ class NextNWorker:
     def _prefill(self, chunks: Sequence[Chunk]) -> list[TokenOutput]:
         """Target extend, a token for every chunk that completes its prompt, then the draft
         over the same rows (proposing only for the completing chunks)."""
-        inp = chunk_input(chunks, ForwardMode.EXTEND, CaptureHiddenMode.FULL)
-        rows = LogitRows(chunks)
-        inp.logits_row_indices = rows.rows
-        bitmask = sampling_bitmask(chunks, self.vocab_size)  # host work before the forward
-        out = self.target.forward(inp)
-        outputs = chunk_outputs(
-            chunks,
-            rows,
-            out.next_token_logits,
-            self.vocab_size,
-            self.eos_ids,
-            self.generator,
-            bitmask,
-        )
-        drafts = self.drafter.draft(prefill_draft_batch(chunks, outputs, out.hidden_states))
+        outputs, hidden = self._target_over(chunks, ForwardMode.EXTEND)
+        drafts = self.drafter.draft(prefill_draft_batch(chunks, outputs, hidden))
         for output, drafted in zip(outputs, drafts):
             output.draft_tokens = drafted
         return outputs
