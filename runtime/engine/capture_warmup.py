@@ -101,9 +101,10 @@ def compile_buckets(engine, buckets, progress: bool = False) -> None:
         from tqdm import tqdm
 
         bar = tqdm(total=len(steps), desc="compiling captured steps", unit="bucket")
+    reachable = {id(r): reachable_steps(engine, r) for r in captured_runners(engine)}
     for runner, bucket in steps:
         start = time.perf_counter()
-        runner.graph_runner.compile_buckets([bucket], reachable_steps(engine, runner))
+        runner.graph_runner.compile_buckets([bucket], reachable[id(runner)])
         if bar is not None:
             bar.set_postfix_str(f"bs {bucket}: {time.perf_counter() - start:.1f} s")
             bar.update()

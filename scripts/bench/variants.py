@@ -44,9 +44,12 @@ def build_variants(args: argparse.Namespace) -> list[Variant]:
         variants.append(Variant("plain", None))
     if algorithm is not None:
         for s in steps:
-            limit = getattr(args, "speculative_disable_by_batch_size", None)
             cfg = SpeculativeConfig.resolve(
-                algorithm, s, args.speculative_eagle_topk, args.speculative_num_draft_tokens, limit
+                algorithm,
+                s,
+                args.speculative_eagle_topk,
+                args.speculative_num_draft_tokens,
+                args.speculative_disable_by_batch_size,
             )
             spec = {
                 "speculative_algorithm": cfg.algorithm,
