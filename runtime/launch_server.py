@@ -116,6 +116,11 @@ def main(argv: list[str] | None = None) -> None:
                 if spec.disable_by_batch_size is not None
                 else ""
             )
+            + (
+                f", draft scores {len(spec.hot_token_ids)} hot tokens ({spec.token_map})"
+                if spec.hot_token_ids is not None
+                else ""
+            )
             if spec
             else "off"
         ),

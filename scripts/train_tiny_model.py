@@ -45,6 +45,7 @@ from scripts.tiny_training.evaluation import evaluate_checkpoint  # noqa: E402
 from scripts.tiny_training.export import (  # noqa: E402
     count_parameters,
     export_checkpoint,
+    export_hot_vocab,
     training_summary,
 )
 from scripts.tiny_training.families import FAMILIES  # noqa: E402
@@ -174,6 +175,7 @@ def main(argv=None) -> dict:
     output = Path(args.output_dir)
     summary = training_summary(args, state, model, corpus)
     summary["size_mb"] = export_checkpoint(model, corpus.tokenizer, output)
+    export_hot_vocab(corpus, output)
     (output / "training.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(
         f"wrote {output} ({summary['size_mb']:.1f} MB) after {state.step} steps, "

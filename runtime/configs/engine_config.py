@@ -102,6 +102,12 @@ class EngineConfig:
         "cost more than they save in large batches); the draft catches up when the batch "
         "shrinks (default: always speculate)",
     )
+    speculative_token_map: str | None = setting(
+        None,
+        "file of the token ids the draft's LM head scores (FR-Spec hot vocabulary: a "
+        "torch.save'd list or tensor, or a JSON list; scripts/make_token_map.py writes one); "
+        "a cheaper draft step, output unchanged (default: the whole vocabulary)",
+    )
     constrained_json_disable_any_whitespace: bool = setting(
         False, "structured JSON output in compact layout (no free whitespace between tokens)"
     )
@@ -183,6 +189,7 @@ class EngineConfig:
             self.speculative_eagle_topk,
             self.speculative_num_draft_tokens,
             self.speculative_disable_by_batch_size,
+            self.speculative_token_map,
         )
 
     def parallel_layout(self) -> ParallelLayout:

@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from runtime.configs.token_map import load_token_map
 
 logger = logging.getLogger(__name__)
 
@@ -20,6 +22,10 @@ class SpeculativeConfig:
     # a decode step of at least this many requests runs without speculation (vLLM's
     # `speculative_disable_by_batch_size`); None: every step speculates
     disable_by_batch_size: int | None = None
+    # the draft's LM head scores only these ids (FR-Spec, SGLang's `--speculative-token-map`),
+    # read from the file `token_map`; None: the whole vocabulary
+    token_map: str | None = None
+    hot_token_ids: tuple[int, ...] | None = field(default=None, repr=False, compare=False)
 
     @classmethod
     def resolve(
@@ -29,10 +35,11 @@ class SpeculativeConfig:
         eagle_topk: int | None = None,
         num_draft_tokens: int | None = None,
         disable_by_batch_size: int | None = None,
+        token_map: str | None = None,
     ) -> SpeculativeConfig | None:
         """None when speculation is off. Raises ValueError with the fix for bad settings."""
         if algorithm is None or str(algorithm).upper() in ("", "NONE"):
-            shape = (num_steps, eagle_topk, num_draft_tokens, disable_by_batch_size)
+            shape = (num_steps, eagle_topk, num_draft_tokens, disable_by_batch_size, token_map)
             if any(v is not None for v in shape):
                 raise ValueError("speculative options need --speculative-algorithm NEXTN")
             return None
@@ -66,4 +73,6 @@ class SpeculativeConfig:
                 f"that many requests runs without speculation), got {disable_by_batch_size}"
             )
         limit = None if disable_by_batch_size is None else int(disable_by_batch_size)
-        return cls(name, steps, topk, tokens, limit)
+        if token_map is None:
+            return cls(name, steps, topk, tokens, limit)
+        return cls(name, steps, topk, tokens, limit, str(token_map), load_token_map(token_map))

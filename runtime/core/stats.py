@@ -25,6 +25,7 @@ class EngineInfo:
     speculative_eagle_topk: int | None = None
     speculative_num_draft_tokens: int | None = None
     speculative_disable_by_batch_size: int | None = None
+    speculative_token_map: str | None = None  # the draft's hot-vocabulary file, if any
     # what each rank of the replica holds after start-up: rank, pid, weights, kv_cache,
     # peak_rss (bytes), device_allocated
     rank_memory: tuple[dict, ...] = ()

@@ -173,6 +173,7 @@ class Engine:
             speculative_eagle_topk=spec.eagle_topk if spec else None,
             speculative_num_draft_tokens=spec.num_draft_tokens if spec else None,
             speculative_disable_by_batch_size=spec.disable_by_batch_size if spec else None,
+            speculative_token_map=spec.token_map if spec else None,
             rank_memory=tuple(report.to_json() for report in self.rank_memory),
         )
 

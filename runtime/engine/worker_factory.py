@@ -12,6 +12,7 @@ from runtime.cache.slot_table import SlotTable
 from runtime.configs.capture import CaptureConfig
 from runtime.configs.model_config import ModelConfig
 from runtime.configs.speculative import SpeculativeConfig
+from runtime.configs.token_map import check_token_map
 from runtime.distributed import Mapping
 from runtime.execution.model_runner import DRAFT, TARGET, ModelRunner
 from runtime.execution.worker import PlainWorker
@@ -38,6 +39,8 @@ def build_runners(
     graphs, verify-shaped steps at the speculative width."""
     target_cls = resolve_model_class(model_config.architectures)
     draft_cls = draft_class(target_cls, model_config) if spec else None
+    if spec and spec.hot_token_ids is not None:
+        check_token_map(spec.hot_token_ids, model_config.vocab_size)  # before any weights
     pass_width = spec.num_draft_tokens if spec else 1
 
     def runner(cls: type, role: str, width: int) -> ModelRunner:
@@ -61,6 +64,8 @@ def build_runners(
         # may snapshot a request whose round ran past its stop.
         draft = runners[DRAFT] = runner(draft_cls, DRAFT, max(pass_width, 2 * spec.num_steps))
         draft.model.set_embed_and_head(*runners[TARGET].model.get_embed_and_head())
+        if spec.hot_token_ids is not None:
+            draft.model.use_hot_vocab(spec.hot_token_ids)
     if snapshot_slots:
         for each in runners.values():
             each.kv_pool.allocate_snapshots(snapshot_slots)

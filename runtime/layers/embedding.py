@@ -1,10 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Vocabulary-parallel token embedding and LM head.
+"""Vocabulary-parallel token embedding and LM head, and a draft's hot-vocabulary head.
 
 Each TP rank owns a contiguous slice of the (padded) vocabulary rows.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -67,4 +69,38 @@ class ParallelLMHead(VocabParallelEmbedding):
         return logits[..., : self.num_embeddings]
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return self.compute_logits(hidden)
+
+
+class HotVocabLMHead(nn.Module):
+    """A draft's LM head over a fixed set of frequent tokens (FR-Spec, Zhao et al., 2025;
+    SGLang's `--speculative-token-map`): the product reads `K` rows of the head instead of
+    the whole vocabulary's, the bulk of a small draft step's weight traffic.
+
+    The logits keep the full vocabulary's layout, so argmax, grammar masks and everything
+    downstream stay as they are: every token outside the table scores the dtype's lowest
+    finite value. A grammar that allows only such tokens still picks among them (a masked
+    token scores -inf, below them). On a TP rank the table's ids in this rank's vocabulary
+    slice fill its slice, and the slices are gathered as `ParallelLMHead` gathers them.
+    """
+
+    def __init__(self, head: ParallelLMHead, hot_ids: Sequence[int]):
+        super().__init__()
+        self.num_embeddings, self.tp = head.num_embeddings, head.tp
+        self.rows_per_rank = head.rows_per_rank
+        local = torch.tensor(sorted(hot_ids), dtype=torch.long) - head.vocab_start
+        local = local[(local >= 0) & (local < self.rows_per_rank)]
+        # copies of the shared head's rows: the target keeps scoring the whole vocabulary
+        self.register_buffer("weight", head.weight.detach()[local].clone(), persistent=False)
+        self.register_buffer("local_rows", local.to(head.weight.device), persistent=False)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        scores = F.linear(hidden, self.weight)
+        floor = torch.finfo(scores.dtype).min
+        logits = scores.new_full((*scores.shape[:-1], self.rows_per_rank), floor)
+        logits = logits.index_copy(-1, self.local_rows, scores)
+        logits = all_gather_last_dim(logits, self.tp)
+        return logits[..., : self.num_embeddings]
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.compute_logits(hidden)

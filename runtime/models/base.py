@@ -23,7 +23,7 @@ A model file then holds its blocks, its name tables and a few class attributes.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import ClassVar, NamedTuple
 
 import torch
@@ -33,7 +33,7 @@ from runtime.cache.pool_geometry import PoolGeometry
 from runtime.core.forward_context import ForwardContext
 from runtime.core.model_output import LogitsProcessorOutput
 from runtime.distributed import Mapping
-from runtime.layers.embedding import ParallelLMHead
+from runtime.layers.embedding import HotVocabLMHead, ParallelLMHead
 from runtime.layers.logits_processor import LogitsProcessor
 from runtime.layers.moe import ExpertCheckpointSchema, MoECheckpointLoader
 from runtime.layers.weight_utils import WeightLoadTracker
@@ -204,6 +204,11 @@ class DraftModel(CausalLMBase):
         del self.lm_head.weight
         self.model.embed_tokens.weight = embed
         self.lm_head.weight = head
+
+    def use_hot_vocab(self, hot_ids: Sequence[int]) -> None:
+        """Score only `hot_ids` from now on (`HotVocabLMHead`); call after
+        `set_embed_and_head`, whose head it copies rows of."""
+        self.lm_head = HotVocabLMHead(self.lm_head, hot_ids)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         tracker = self.fill_weights(weights)

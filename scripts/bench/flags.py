@@ -64,6 +64,17 @@ def add_model_args(parser: argparse.ArgumentParser, steps_sweep: bool = True) ->
         help="NEXTN: decode steps of at least this many requests run without speculation",
     )
     g.add_argument(
+        "--speculative-token-map",
+        nargs="+" if steps_sweep else None,
+        default=None,
+        help="NEXTN: file of the token ids the draft's LM head scores (FR-Spec hot vocabulary)"
+        + (
+            "; several values sweep them, one run each ('none': the whole vocabulary)"
+            if steps_sweep
+            else ""
+        ),
+    )
+    g.add_argument(
         "--compare",
         action="store_true",
         help="run plain decoding and NEXTN back to back and print NEXTN/plain ratios "

@@ -29,9 +29,8 @@ class Variant:
 
 def build_variants(args: argparse.Namespace) -> list[Variant]:
     """Plain first (when `--compare` or no algorithm is given), then one NEXTN variant per
-    requested step count. Bad speculative flags fail here, before any weight is read."""
-    from runtime.configs.speculative import SpeculativeConfig
-
+    requested step count and token map. Bad speculative flags fail here, before any weight
+    is read."""
     steps = args.speculative_num_steps
     steps = steps if isinstance(steps, list) else [steps]
     algorithm = args.speculative_algorithm or ("NEXTN" if args.compare else None)
@@ -42,25 +41,40 @@ def build_variants(args: argparse.Namespace) -> list[Variant]:
                 "--speculative-num-steps needs --speculative-algorithm NEXTN (or --compare)"
             )
         variants.append(Variant("plain", None))
+    maps = args.speculative_token_map
+    maps = maps if isinstance(maps, list) else [maps]
     if algorithm is not None:
         for s in steps:
-            cfg = SpeculativeConfig.resolve(
-                algorithm,
-                s,
-                args.speculative_eagle_topk,
-                args.speculative_num_draft_tokens,
-                args.speculative_disable_by_batch_size,
-            )
-            spec = {
-                "speculative_algorithm": cfg.algorithm,
-                "speculative_num_steps": cfg.num_steps,
-                "speculative_eagle_topk": cfg.eagle_topk,
-                "speculative_num_draft_tokens": cfg.num_draft_tokens,
-            }
-            if cfg.disable_by_batch_size is not None:
-                spec["speculative_disable_by_batch_size"] = cfg.disable_by_batch_size
-            variants.append(Variant(f"{cfg.algorithm}(steps={cfg.num_steps})", spec))
+            for token_map in maps:
+                variants.append(_nextn_variant(args, algorithm, s, token_map))
     return variants
+
+
+def _nextn_variant(args: argparse.Namespace, algorithm: str, steps, token_map) -> Variant:
+    from runtime.configs.speculative import SpeculativeConfig
+
+    whole_vocab = token_map is None or str(token_map).lower() == "none"
+    cfg = SpeculativeConfig.resolve(
+        algorithm,
+        steps,
+        args.speculative_eagle_topk,
+        args.speculative_num_draft_tokens,
+        args.speculative_disable_by_batch_size,
+        None if whole_vocab else token_map,
+    )
+    spec = {
+        "speculative_algorithm": cfg.algorithm,
+        "speculative_num_steps": cfg.num_steps,
+        "speculative_eagle_topk": cfg.eagle_topk,
+        "speculative_num_draft_tokens": cfg.num_draft_tokens,
+    }
+    if cfg.disable_by_batch_size is not None:
+        spec["speculative_disable_by_batch_size"] = cfg.disable_by_batch_size
+    label = f"steps={cfg.num_steps}"
+    if cfg.token_map is not None:
+        spec["speculative_token_map"] = cfg.token_map
+        label += f", hot={len(cfg.hot_token_ids)}"
+    return Variant(f"{cfg.algorithm}({label})", spec)
 
 
 def with_and_without_radix_cache(variants: list[Variant]) -> list[Variant]:

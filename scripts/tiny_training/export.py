@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """The checkpoint directory: config.json, model.safetensors in the family's released names
-and dtypes (`mtp.*` included), the tokenizer, and training.json; and the way back from such
-a directory to the training-form model."""
+and dtypes (`mtp.*` included), the tokenizer, the draft's hot-vocabulary table and
+training.json; and the way back from such a directory to the training-form model."""
 
 from __future__ import annotations
 
@@ -11,8 +11,15 @@ from pathlib import Path
 from torch import nn
 
 from scripts import REPO_ROOT
-from scripts.tiny_training.corpus import Corpus, save_tokenizer
+from scripts.tiny_training.corpus import TOKEN_IDS, Corpus, save_tokenizer
 from scripts.tiny_training.families import FAMILIES, family_of_config
+from scripts.tiny_training.hot_vocab import (
+    HOT_VOCAB_FILE,
+    HOT_VOCAB_SIZE,
+    hot_tokens,
+    stream_counts,
+    write_table,
+)
 from scripts.tiny_training.loop import TrainState
 
 TRAINER_MODULE = "scripts.train_tiny_model"
@@ -38,6 +45,15 @@ def export_checkpoint(model: nn.Module, tokenizer, out_dir: Path) -> float:
     weights.chmod(0o644)  # safetensors writes 0600; the file ships with the package
     save_tokenizer(tokenizer, out_dir, model.config["max_position_embeddings"])
     return weights.stat().st_size / 1e6
+
+
+def export_hot_vocab(corpus: Corpus, out_dir: Path) -> None:
+    """The training split's most frequent tokens (`<|bos|>`/`<|eos|>` framing left out of
+    the ranking, `<|eos|>` added): what `scripts.make_token_map --stdlib-train` writes for
+    the same split."""
+    framing = {TOKEN_IDS["bos"], TOKEN_IDS["eos"]}
+    counts = stream_counts(corpus.train_stream, skip=framing)
+    write_table(hot_tokens(counts, HOT_VOCAB_SIZE, [TOKEN_IDS["eos"]]), out_dir / HOT_VOCAB_FILE)
 
 
 def load_checkpoint(path: Path) -> nn.Module:

@@ -10,6 +10,7 @@ import math
 
 from scripts.tiny_training.export import TRAINER_MODULE
 from scripts.tiny_training.families import family_of_config
+from scripts.tiny_training.hot_vocab import HOT_VOCAB_FILE, HOT_VOCAB_SIZE
 
 
 def _dtype_note(report: dict) -> str:
@@ -150,5 +151,18 @@ def model_card(config: dict, summary: dict, report: dict | None, parity: dict | 
         lines += _card_runtime_lines(report)
     if parity is not None:
         lines.append(_card_parity_line(family.HF_CLASS_NAME, parity))
+    lines += _card_hot_vocab_lines()
     lines += _card_reproduce_lines(summary)
     return "\n".join(lines)
+
+
+def _card_hot_vocab_lines() -> list[str]:
+    return [
+        "",
+        "## Draft hot vocabulary",
+        "",
+        f"`{HOT_VOCAB_FILE}`: the {HOT_VOCAB_SIZE} most frequent token ids of the training "
+        "split (and `<|eos|>`), written by the trainer, for `--speculative-token-map`: the "
+        "MTP draft's LM head then scores only these (FR-Spec), a cheaper draft step with "
+        "the output unchanged. `scripts.make_token_map` writes such a table for any corpus.",
+    ]

@@ -5,6 +5,7 @@ draft sees the same hidden states on both ranks), and seeded sampling draw for d
 
 from __future__ import annotations
 
+import json
 import logging
 
 import pytest
@@ -158,3 +159,35 @@ def test_catching_up_after_speculation_off_matches_one_rank(tmp_path):
 
     tp2, tp1 = staggered(tp_size=2), staggered()
     assert tp2 == tp1 and tp1[1][0] > 0
+
+
+def test_hot_vocabulary_draft_matches_one_rank(tmp_path):
+    """`--speculative-token-map` with every table token in rank 0's half of the vocabulary
+    (rank 1's slice of the hot head is empty): the replica proposes exactly the one-rank
+    engine's drafts, all from the table, and its output is plain decoding's."""
+    from tests.engine.test_token_map import proposals_of
+
+    path = build_tiny_v4_mtp_checkpoint(tmp_path, seed=4)[0]
+    table = tmp_path / "freq.json"
+    table.write_text(json.dumps(list(range(3, 45, 2))))
+
+    def drafts(**options):
+        engine = Engine(
+            model_path=str(path),
+            dtype="float32",
+            skip_tokenizer_init=True,
+            max_total_tokens=2048,
+            max_running_requests=8,
+            **options,
+        )
+        try:
+            seen = proposals_of(engine) if options.get("speculative_algorithm") else []
+            out = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)
+        finally:
+            engine.shutdown()
+        return [r["output_ids"] for r in out], seen
+
+    hot = dict(speculative_algorithm="NEXTN", speculative_token_map=str(table))
+    tp2, tp1, plain = drafts(**hot, tp_size=2), drafts(**hot), drafts()
+    assert tp2 == tp1 and tp1[0] == plain[0]
+    assert tp1[1] and {t for p in tp1[1] for t in p} <= set(range(3, 45, 2))

@@ -12,6 +12,7 @@ the engine-level ones are `slow`.
 from __future__ import annotations
 
 import dataclasses
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -192,10 +193,14 @@ def test_decode_verify_and_draft_steps_trace_to_one_graph(family, request):
         assert_one_graph(drafter, inp)
 
 
+@pytest.mark.parametrize("hot_vocab", [False, True])
 @pytest.mark.parametrize("family", ["deepseek_v4", "qwen4_exp"])
-def test_draft_round_traces_to_one_graph(family, request):
-    """The merged draft round (extend, argmax, two chained steps) is one graph too."""
+def test_draft_round_traces_to_one_graph(family, hot_vocab, request):
+    """The merged draft round (extend, argmax, two chained steps) is one graph too, also
+    with a hot-vocabulary head (`--speculative-token-map`)."""
     table, target, drafter = make_runners(checkpoint_of(family, request)[0])
+    if hot_vocab:
+        drafter.model.use_hot_vocab(range(0, drafter.model_config.vocab_size, 3))
     _, draft_steps = nextn_step_inputs(table, target, drafter)
     extend = draft_steps["extend"]
     graph_runner = GraphRunner(drafter, bucket_config(), 8)
@@ -378,8 +383,9 @@ def staggered_generate(engine, prompts, lengths):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["deepseek_v4", "qwen4_exp"])
-def test_captured_engines_equal_eager_plain(family, request, monkeypatch):
-    """Plain and NEXTN engines (also with speculation off in larger batches) replaying
+def test_captured_engines_equal_eager_plain(family, request, monkeypatch, tmp_path):
+    """Plain and NEXTN engines (also with speculation off in larger batches, and with a
+    hot-vocabulary draft head) replaying
     captured steps (bucket 4, 1 to 4 live requests) give the eager plain engine's greedy
     tokens, which equal transformers' `generate` (contexts long enough for QSA's selection
     and past one padded key-block count)."""
@@ -394,7 +400,15 @@ def test_captured_engines_equal_eager_plain(family, request, monkeypatch):
     nextn = {"speculative_algorithm": "NEXTN", "speculative_num_steps": 3}
     # the last one decodes without speculation in batches of 3 and 4 (the captured decode
     # step with hidden states), then catches the draft up as the batch shrinks
-    for spec in ({}, nextn, {**nextn, "speculative_disable_by_batch_size": 3}):
+    hot_table = tmp_path / "freq.json"
+    hot_table.write_text(json.dumps(list(range(0, 97, 2))))
+    variants = (
+        {},
+        nextn,
+        {**nextn, "speculative_disable_by_batch_size": 3},
+        {**nextn, "speculative_token_map": str(hot_table)},  # a hot-vocabulary draft head
+    )
+    for spec in variants:
         engine = Engine(**common, cuda_graph_bs=[BUCKET], capture_compile="inline", **spec)
         assert staggered_generate(engine, prompts, lengths) == reference, spec
         runners = [engine.runner] + ([engine.worker.drafter.runner] if spec else [])

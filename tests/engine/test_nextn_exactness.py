@@ -48,7 +48,7 @@ def exact_marginals(hf_model, prompt, params):
     return p1, joint2.sum(0), (joint2.unsqueeze(-1) * p3).sum((0, 1))
 
 
-def sampled_tokens(path, prompt, params, count, steps=2):
+def sampled_tokens(path, prompt, params, count, steps=2, **engine_args):
     engine = Engine(
         model_path=str(path),
         dtype="float32",
@@ -58,6 +58,7 @@ def sampled_tokens(path, prompt, params, count, steps=2):
         random_seed=1234,
         speculative_algorithm="NEXTN",
         speculative_num_steps=steps,
+        **engine_args,
     )
     out = engine.generate(
         input_ids=[prompt] * count,
@@ -90,6 +91,20 @@ def test_nextn_sampling_matches_the_plain_distribution(small_vocab, params):
     path, hf_model = small_vocab
     prompt = make_prompts(1, seed=4, vocab=VOCAB, low=9, high=10)[0]
     tokens = sampled_tokens(path, prompt, params, count=3000)
+    pvalues = fit_pvalues(tokens, exact_marginals(hf_model, prompt, params))
+    assert min(pvalues) > 1e-3, pvalues
+
+
+def test_a_hot_vocabulary_draft_keeps_the_plain_distribution(small_vocab, tmp_path):
+    """With `--speculative-token-map` the draft proposes from 3 of the 8 tokens: the tokens
+    it cannot propose are reached only through rejections, and the sampled distribution is
+    still the target's."""
+    path, hf_model = small_vocab
+    table = tmp_path / "freq.json"
+    table.write_text("[0, 2, 5]")
+    params = CONFIGS[0]
+    prompt = make_prompts(1, seed=4, vocab=VOCAB, low=9, high=10)[0]
+    tokens = sampled_tokens(path, prompt, params, count=3000, speculative_token_map=str(table))
     pvalues = fit_pvalues(tokens, exact_marginals(hf_model, prompt, params))
     assert min(pvalues) > 1e-3, pvalues
 

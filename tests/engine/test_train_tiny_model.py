@@ -87,6 +87,12 @@ def test_checkpoint_directory(trained):
     summary = json.loads((trained / "training.json").read_text())
     assert summary["steps"] == 3 and summary["heldout"]["trunk"] > 0
     assert "Held-out results" in (trained / "README.md").read_text()
+    # the draft's hot vocabulary: loadable by the server, ending replies is always proposable
+    from runtime.configs.token_map import check_token_map, load_token_map
+
+    table = load_token_map(trained / "freq_2048.json")
+    check_token_map(table, config["vocab_size"])
+    assert config["eos_token_id"] in table and 1 < len(table) <= config["vocab_size"]
 
 
 def test_released_key_set_matches_the_test_checkpoints(trained, tmp_path):

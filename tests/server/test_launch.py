@@ -42,6 +42,10 @@ def test_defaults_and_speculative_resolution(tiny_v4):
             ["--speculative-algorithm", "NEXTN", "--speculative-disable-by-batch-size", "0"],
             "--speculative-disable-by-batch-size must be >= 1",
         ),
+        (
+            ["--speculative-algorithm", "NEXTN", "--speculative-token-map", "/no/such/freq.pt"],
+            "--speculative-token-map '/no/such/freq.pt' does not exist",
+        ),
         (["--page-size", "0"], "--page-size must be >= 1"),
         (["--dtype", "int4"], "--dtype 'int4' is not supported"),
         (["--port", "70000"], "not a valid TCP port"),

@@ -83,6 +83,12 @@ def test_server_args_hand_the_engine_exactly_its_settings():
             ValueError,
             "--speculative-disable-by-batch-size must be >= 1",
         ),
+        ({"speculative_token_map": "freq.pt"}, ValueError, "need --speculative-algorithm"),
+        (
+            {"speculative_algorithm": "NEXTN", "speculative_token_map": "/no/such/freq.pt"},
+            ValueError,
+            "--speculative-token-map '/no/such/freq.pt' does not exist",
+        ),
         ({"radix_snapshot_interval": -1}, ValueError, "--radix-snapshot-interval"),
         ({"radix_snapshot_slots": 0}, ValueError, "--radix-snapshot-slots"),
         ({"model_path": "/no/such/model"}, FileNotFoundError, "does not exist"),

@@ -1,0 +1,152 @@
+# SPDX-License-Identifier: Apache-2.0
+"""`--speculative-token-map` (FR-Spec's hot vocabulary, SGLang's flag): the draft's LM head
+scores only the table's tokens.
+
+Whatever the table holds, the output is plain decoding's (greedy for both families, and with
+grammars whose tokens are all outside the table; sampling keeps plain sampling's
+distribution: `test_nextn_exactness.py`); the
+draft proposes only table tokens; and with a table holding every token the whole-vocabulary
+draft proposed, it proposes exactly what that draft did.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from runtime import Engine
+from tests.engine.test_nextn import make_prompts
+from tests.tiny_checkpoints import build_tiny_qwen4_exp_mtp_checkpoint, build_tiny_v4_mtp_checkpoint
+
+NUM_PROMPTS = 6
+GREEDY = [
+    {"temperature": 0, "max_new_tokens": 12 + 7 * i, "ignore_eos": True} for i in range(NUM_PROMPTS)
+]
+
+
+@pytest.fixture(scope="module", params=["deepseek_v4", "qwen4_exp"])
+def checkpoint(request, tmp_path_factory):
+    build = (
+        build_tiny_v4_mtp_checkpoint
+        if request.param == "deepseek_v4"
+        else build_tiny_qwen4_exp_mtp_checkpoint
+    )
+    return build(tmp_path_factory.mktemp(request.param), seed=7)[0]
+
+
+def engine_of(path, **kw) -> Engine:
+    return Engine(model_path=str(path), dtype="float32", page_size=4, max_running_requests=8, **kw)
+
+
+def nextn_of(path, table=None, **kw) -> Engine:
+    return engine_of(
+        path,
+        speculative_algorithm="NEXTN",
+        speculative_num_steps=3,
+        speculative_token_map=table,
+        **kw,
+    )
+
+
+def write_table(tmp_path, ids, name="freq.json"):
+    path = tmp_path / name
+    path.write_text(json.dumps(sorted(ids)))
+    return str(path)
+
+
+def proposals_of(engine) -> list[list[int]]:
+    """Every proposal the drafter makes, in order."""
+    seen = []
+    drafter = engine.worker.drafter
+    draft = drafter.draft
+
+    def recording(batch):
+        out = draft(batch)
+        seen.extend(d for d in out if d is not None)
+        return out
+
+    drafter.draft = recording
+    return seen
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint):
+    """Plain greedy output and the whole-vocabulary draft's proposals."""
+    prompts = make_prompts(NUM_PROMPTS, seed=3)
+    plain = engine_of(checkpoint).generate(input_ids=prompts, sampling_params=GREEDY)
+    nextn = nextn_of(checkpoint)
+    proposals = proposals_of(nextn)
+    outs = nextn.generate(input_ids=prompts, sampling_params=GREEDY)
+    assert [o["output_ids"] for o in outs] == [o["output_ids"] for o in plain]
+    return prompts, [o["output_ids"] for o in plain], proposals, nextn.worker.stats
+
+
+def test_a_table_of_every_proposed_token_proposes_the_same(checkpoint, reference, tmp_path):
+    """The table's argmax is the whole vocabulary's argmax whenever that falls in the table."""
+    prompts, plain, proposals, stats = reference
+    proposed = {t for p in proposals for t in p}
+    nextn = nextn_of(checkpoint, write_table(tmp_path, proposed))
+    hot = proposals_of(nextn)
+    outs = nextn.generate(input_ids=prompts, sampling_params=GREEDY)
+    assert [o["output_ids"] for o in outs] == plain
+    assert hot == proposals
+    assert nextn.worker.stats.accepted_at == stats.accepted_at
+
+
+@pytest.mark.parametrize("share", ["half", "accepted-removed", "one-token"])
+def test_any_table_keeps_the_output_plain(checkpoint, reference, tmp_path, share):
+    """Tables that leave out tokens the target wants: the draft proposes only table tokens,
+    the rejected ones cost acceptance, never a changed token."""
+    prompts, plain, proposals, _ = reference
+    vocab = nextn_of(checkpoint).model_config.vocab_size
+    wanted = {t for out in plain for t in out}
+    table = {
+        "half": set(range(0, vocab, 2)),
+        "accepted-removed": set(range(vocab)) - set(sorted(wanted)[::2]),
+        "one-token": {vocab - 1},
+    }[share]
+    nextn = nextn_of(checkpoint, write_table(tmp_path, table))
+    hot = proposals_of(nextn)
+    outs = nextn.generate(input_ids=prompts, sampling_params=GREEDY)
+    assert [o["output_ids"] for o in outs] == plain
+    assert hot and {t for p in hot for t in p} <= table
+    assert nextn.worker.stats.verify_rounds > 0
+
+
+def test_grammars_over_tokens_outside_the_table_keep_plain_output(tmp_path):
+    """On the embedded model with its shipped table minus every digit token: a regex of
+    digits only, a JSON schema and an EBNF. The grammar walk picks among the allowed cold
+    tokens (never a forbidden one), and the output is plain decoding's."""
+    from runtime.configs.engine_config import default_model_path
+    from runtime.configs.token_map import load_token_map
+    from tests.server.test_clients import EBNF, SCHEMA
+
+    common = dict(dtype="float32", constrained_json_disable_any_whitespace=True)
+    plain_engine = Engine(**common)
+    tokenizer = plain_engine.tokenizer
+    shipped = load_token_map(f"{default_model_path()}/freq_2048.json")
+    digits = {t for t in shipped if any(c.isdigit() for c in tokenizer.decode([t]))}
+    assert digits
+    table = write_table(tmp_path, set(shipped) - digits)
+    prompts = ["x = ", "class Foo:\n    def __init__(self):\n        ", "settings = "]
+    grammars = [{"regex": r"[0-9]{12}"}, {"ebnf": EBNF}, {"json_schema": json.dumps(SCHEMA)}]
+    params = [{"temperature": 0, "max_new_tokens": n, **g} for n, g in zip((12, 24, 40), grammars)]
+    plain = plain_engine.generate(prompts, params)
+    nextn = Engine(**common, speculative_algorithm="NEXTN", speculative_token_map=table)
+    outs = nextn.generate(prompts, params)
+    assert [o["output_ids"] for o in outs] == [o["output_ids"] for o in plain]
+    assert all(c.isdigit() for c in outs[0]["text"]) and outs[0]["text"]
+
+
+def test_a_table_past_the_vocabulary_fails_before_loading_weights(checkpoint, tmp_path):
+    table = write_table(tmp_path, [1, 5, 100_000])
+    with pytest.raises(ValueError, match="outside the model's vocabulary"):
+        nextn_of(checkpoint, table)
+
+
+def test_server_info_reports_the_table(checkpoint, tmp_path):
+    table = write_table(tmp_path, range(40))
+    info = nextn_of(checkpoint, table).info.to_json()
+    assert info["speculative_token_map"] == table
+    assert engine_of(checkpoint).info.to_json()["speculative_token_map"] is None
