@@ -14,22 +14,8 @@ import pytest
 
 from runtime import Engine
 from tests.engine.test_nextn import make_prompts
-from tests.tiny_checkpoints import (
-    build_tiny_qwen4_exp_mtp_checkpoint,
-    build_tiny_v4_mtp_checkpoint,
-)
 
 NUM_PROMPTS = 12
-
-
-@pytest.fixture(scope="module", params=["deepseek_v4", "qwen4_exp"])
-def checkpoint(request, tmp_path_factory):
-    build = (
-        build_tiny_v4_mtp_checkpoint
-        if request.param == "deepseek_v4"
-        else build_tiny_qwen4_exp_mtp_checkpoint
-    )
-    return build(tmp_path_factory.mktemp(request.param), seed=7)[0]
 
 
 def engine_of(path, **kw) -> Engine:

@@ -17,26 +17,12 @@ import pytest
 
 from runtime import Engine
 from tests.engine.test_nextn import make_prompts
-from tests.tiny_checkpoints import build_tiny_qwen4_exp_mtp_checkpoint, build_tiny_v4_mtp_checkpoint
+from tests.engine.test_speculation_off_by_batch_size import engine_of
 
 NUM_PROMPTS = 6
 GREEDY = [
     {"temperature": 0, "max_new_tokens": 12 + 7 * i, "ignore_eos": True} for i in range(NUM_PROMPTS)
 ]
-
-
-@pytest.fixture(scope="module", params=["deepseek_v4", "qwen4_exp"])
-def checkpoint(request, tmp_path_factory):
-    build = (
-        build_tiny_v4_mtp_checkpoint
-        if request.param == "deepseek_v4"
-        else build_tiny_qwen4_exp_mtp_checkpoint
-    )
-    return build(tmp_path_factory.mktemp(request.param), seed=7)[0]
-
-
-def engine_of(path, **kw) -> Engine:
-    return Engine(model_path=str(path), dtype="float32", page_size=4, max_running_requests=8, **kw)
 
 
 def nextn_of(path, table=None, **kw) -> Engine:
