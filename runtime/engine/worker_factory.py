@@ -6,6 +6,8 @@ embedding and output head)."""
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from runtime.cache.slot_table import SlotTable
@@ -16,10 +18,13 @@ from runtime.configs.token_map import check_token_map
 from runtime.distributed import Mapping
 from runtime.execution.model_runner import DRAFT, TARGET, ModelRunner
 from runtime.execution.worker import PlainWorker
+from runtime.layers.narrow_weights import attach_narrow_copies
 from runtime.model_loader.build import load_model
 from runtime.models.registry import model_classes, resolve_model_class
 from runtime.speculative.drafter import MTPDrafter
 from runtime.speculative.nextn_worker import NextNWorker
+
+logger = logging.getLogger(__name__)
 
 
 def build_runners(
@@ -69,6 +74,13 @@ def build_runners(
     if snapshot_slots:
         for each in runners.values():
             each.kv_pool.allocate_snapshots(snapshot_slots)
+    captured = [r.model for r in runners.values() if r.graph_runner is not None]
+    narrow_bytes = attach_narrow_copies(captured)  # after the draft's head is in place
+    if narrow_bytes:
+        logger.info(
+            "captured steps read bf16 copies of fp32 weights bf16 holds exactly (%.1f MiB)",
+            narrow_bytes / 2**20,
+        )
     return runners
 
 

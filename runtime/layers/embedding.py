@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from runtime.distributed import ParallelGroup, all_gather_last_dim, all_reduce
+from runtime.layers.narrow_weights import weight_for_product
 from runtime.layers.weight_utils import copy_checked, make_param
 
 _SINGLE = ParallelGroup()
@@ -63,8 +64,10 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """`logits = hidden @ W^T` over the full vocabulary (shards gathered, padding trimmed)."""
 
+    narrow_weight_names = ("weight",)  # captured steps may read a bf16 copy (narrow_weights)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight)
+        logits = F.linear(hidden, weight_for_product(self, "weight").to(hidden.dtype))
         logits = all_gather_last_dim(logits, self.tp)
         return logits[..., : self.num_embeddings]
 
@@ -84,6 +87,8 @@ class HotVocabLMHead(nn.Module):
     slice fill its slice, and the slices are gathered as `ParallelLMHead` gathers them.
     """
 
+    narrow_weight_names = ("weight",)
+
     def __init__(self, head: ParallelLMHead, hot_ids: Sequence[int]):
         super().__init__()
         self.num_embeddings, self.tp = head.num_embeddings, head.tp
@@ -95,7 +100,7 @@ class HotVocabLMHead(nn.Module):
         self.register_buffer("local_rows", local.to(head.weight.device), persistent=False)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        scores = F.linear(hidden, self.weight)
+        scores = F.linear(hidden, weight_for_product(self, "weight").to(hidden.dtype))
         floor = torch.finfo(scores.dtype).min
         logits = scores.new_full((*scores.shape[:-1], self.rows_per_rank), floor)
         logits = logits.index_copy(-1, self.local_rows, scores)

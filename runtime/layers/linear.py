@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from runtime.distributed import ParallelGroup, all_gather_last_dim, all_reduce
+from runtime.layers.narrow_weights import weight_for_product
 from runtime.layers.weight_utils import (
     WeightShapeError,
     copy_checked,
@@ -29,6 +30,8 @@ _SINGLE = ParallelGroup()
 
 
 class LinearBase(nn.Module):
+    narrow_weight_names = ("weight",)  # captured steps may read a bf16 copy (narrow_weights)
+
     def __init__(self, input_size: int, output_size: int, bias: bool = False, params_dtype=None):
         super().__init__()
         self.input_size, self.output_size = input_size, output_size
@@ -42,7 +45,10 @@ class LinearBase(nn.Module):
         copy_checked(param.data, loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return F.linear(x, self._weight_for(x), self.bias)
+
+    def _weight_for(self, x: torch.Tensor) -> torch.Tensor:
+        return weight_for_product(self, "weight").to(x.dtype)
 
     def extra_repr(self) -> str:
         return f"in={self.input_size}, out={self.output_size}, bias={self.bias is not None}"
@@ -76,7 +82,7 @@ class ColumnParallelLinear(LinearBase):
     bias_loader = weight_loader
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)
+        y = F.linear(x, self._weight_for(x), self.bias)
         return all_gather_last_dim(y, self.tp) if self.gather_output else y
 
 
@@ -208,7 +214,7 @@ class RowParallelLinear(LinearBase):
         copy_checked(param.data, loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = F.linear(x, self._weight_for(x))
         if self.reduce_results:
             y = all_reduce(y, self.tp)
         # The bias is added once, after the reduction, not once per rank.

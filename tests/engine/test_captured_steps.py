@@ -25,6 +25,7 @@ from runtime.configs.model_config import ModelConfig
 from runtime.core.forward_mode import CaptureHiddenMode, ForwardMode
 from runtime.execution.graph_runner import GraphRunner, StepState, draft_round_function
 from runtime.execution.model_runner import ModelInput, ModelRunner
+from runtime.layers.narrow_weights import attach_narrow_copies
 from runtime.model_loader.build import load_model
 from runtime.models.registry import model_classes
 from runtime.speculative.draft_batch import DraftBatch
@@ -48,18 +49,27 @@ def bucket_config(**overrides) -> CaptureConfig:
     )
 
 
-def make_runners(path, steps=3, capture=None, draft=True):
-    """Target (and draft) runners sharing one slot table, as the engine builds them."""
+def make_runners(path, steps=3, capture=None, draft=True, narrow=False):
+    """Target (and draft) runners sharing one slot table, as the engine builds them.
+    `narrow`: round the weights to bf16 values first, as a bf16 checkpoint's are, so the
+    captured steps read bf16 copies (`narrow_weights`) as the engine's do."""
     config = ModelConfig.from_path(str(path), "float32")
     table = SlotTable(ReqToTokenPool(8, 256), PagedTokenAllocator(256, 4))
     target = ModelRunner(load_model(config, None, progress=False), config, table, steps + 1)
     if capture is not None:
         target.graph_runner = GraphRunner(target, capture, 8)
-    if not draft:
-        return table, target, None
-    draft_cls = model_classes()[type(target.model).draft_architecture]
-    drafter = ModelRunner(load_model(config, draft_cls, progress=False), config, table, steps + 1)
-    drafter.model.set_embed_and_head(*target.model.get_embed_and_head())
+    drafter = None
+    if draft:
+        draft_cls = model_classes()[type(target.model).draft_architecture]
+        model = load_model(config, draft_cls, progress=False)
+        drafter = ModelRunner(model, config, table, steps + 1)
+        drafter.model.set_embed_and_head(*target.model.get_embed_and_head())
+    if narrow:
+        models = [r.model for r in (target, drafter) if r is not None]
+        for model in models:
+            for param in model.parameters():
+                param.data = param.data.bfloat16().to(param.dtype)
+        assert attach_narrow_copies(models, min_numel=1) > 0  # the tiny model's are small
     return table, target, drafter
 
 
@@ -239,10 +249,10 @@ def test_captured_decode_matches_eager_logits_with_padding_and_churn(family, req
     steps, contexts grow past one padded entry count of the compressed layers, or of the
     key blocks with QSA's selection active; one live request pads into bucket 4 while its own
     bucket 1 is compiling): each captured step's logits equal the eager step's on the same
-    caches."""
+    caches. The weights hold bf16 values, so the captured step reads their bf16 copies."""
     path = request.getfixturevalue("tiny_v4" if family == "deepseek_v4" else "qwen_mtp")[0]
     config = bucket_config(batch_sizes=(1, BUCKET))
-    table, runner, _ = make_runners(path, capture=config, draft=False)
+    table, runner, _ = make_runners(path, capture=config, draft=False, narrow=True)
     graph_runner = runner.graph_runner
     replayed = []
     run_step = graph_runner._run
@@ -286,10 +296,13 @@ def test_captured_draft_round_matches_eager_drafter(family, request):
     """Draft rounds of 1 to 4 live requests in bucket 4 (requests join and leave between
     rounds, each round accepts a different number of drafts per request; one live request
     pads into bucket 4 while its own bucket 1 is compiling): the merged captured round
-    (extend over the verified rows and the chained steps in one graph) proposes exactly the
-    eager step-by-step drafter's tokens from the same caches."""
+    (extend over the verified rows and the chained steps in one graph, reading the bf16
+    copies of weights that hold bf16 values) proposes exactly the eager step-by-step
+    drafter's tokens from the same caches."""
     steps, width = 3, 4
-    table, target, runner = make_runners(checkpoint_of(family, request)[0], steps=steps)
+    table, target, runner = make_runners(
+        checkpoint_of(family, request)[0], steps=steps, narrow=True
+    )
     graph_runner = GraphRunner(runner, bucket_config(batch_sizes=(1, BUCKET)), 8)
     drafter = MTPDrafter(runner, steps)
     rounds = []
@@ -441,3 +454,20 @@ def test_compile_buckets_repeats_every_seen_step_at_each_bucket(tiny_v4, monkeyp
     graph_runner._step(key, None).state = StepState.READY  # as if the warm-up had run it
     graph_runner.compile_buckets([1, 2, 4, 8])  # 8 is not one of the runner's buckets
     assert compiled == [dataclasses.replace(key, bucket=b) for b in (2, 4)]
+
+
+@pytest.mark.slow
+def test_default_model_captured_steps_read_narrow_copies(monkeypatch):
+    """The embedded model is bf16 on disk: served in fp32 with captured steps, its products
+    read bf16 copies of the weights (`narrow_weights`), and plain and NEXTN greedy output
+    equal eager plain decoding's (which reads the fp32 weights)."""
+    prompts = ["def add(a, b):\n", "import os\n\nclass Config:\n", "for i in range("]
+    params = [{**GREEDY, "max_new_tokens": n} for n in (24, 40, 16)]
+    eager = Engine(dtype="float32", disable_cuda_graph=True).generate(prompts, params)
+    monkeypatch.delenv(DISABLE_ENV, raising=False)
+    for spec in ({}, {"speculative_algorithm": "NEXTN"}):
+        engine = Engine(dtype="float32", cuda_graph_bs=[BUCKET], capture_compile="inline", **spec)
+        narrow = [n for n, _ in engine.runner.model.named_buffers() if n.endswith("_narrow")]
+        assert any("experts" in n for n in narrow) and any("lm_head" in n for n in narrow)
+        outs = engine.generate(prompts, params)
+        assert [o["output_ids"] for o in outs] == [o["output_ids"] for o in eager], spec

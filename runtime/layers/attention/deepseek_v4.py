@@ -47,6 +47,7 @@ from runtime.layers.linear import (
     ReplicatedLinear,
     RowParallelLinear,
 )
+from runtime.layers.narrow_weights import weight_for_product
 from runtime.layers.norm import RMSNorm, WeightlessRMSNorm
 from runtime.layers.position_ring import gather_ring
 from runtime.layers.rotary import RotaryEmbedding
@@ -405,5 +406,6 @@ class DeepseekV4Attention(nn.Module):
     def _grouped_wo_a(self, out: torch.Tensor) -> torch.Tensor:
         """Group g (heads `g*H/G .. (g+1)*H/G - 1`) goes through its own `o_lora_rank` block."""
         grouped = out.reshape(out.shape[0], self.o_groups, -1)
-        w = self.wo_a.weight.view(self.o_groups, self.o_lora_rank, -1)
+        w = weight_for_product(self.wo_a, "weight").to(out.dtype)
+        w = w.view(self.o_groups, self.o_lora_rank, -1)
         return torch.bmm(grouped.transpose(0, 1), w.transpose(1, 2)).transpose(0, 1).flatten(1)

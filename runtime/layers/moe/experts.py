@@ -25,6 +25,7 @@ from torch import nn
 from runtime.core.capture import in_capture
 from runtime.distributed import ParallelGroup, all_reduce
 from runtime.kernels.grouped_gemm import grouped_gemm
+from runtime.layers.narrow_weights import weight_for_product
 from runtime.layers.weight_utils import (
     WeightShapeError,
     copy_checked,
@@ -45,6 +46,9 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float | None) -> torch.T
 
 
 class FusedMoEExperts(nn.Module):
+    # captured steps may read bf16 copies (narrow_weights), gathered per pair then widened
+    narrow_weight_names = ("w13_weight", "w2_weight")
+
     def __init__(
         self,
         num_experts: int,
@@ -176,8 +180,10 @@ class FusedMoEExperts(nn.Module):
             mine = (local >= 0) & (local < self.num_local_experts)
             weights, local = weights * mine, local.clamp(0, self.num_local_experts - 1)
         rows = x.unsqueeze(1).expand(num_tokens, top_k, x.shape[-1]).reshape(-1, 1, x.shape[-1])
-        gate_up = torch.bmm(rows, self.w13_weight[local].transpose(1, 2))
+        w13 = weight_for_product(self, "w13_weight")[local].to(x.dtype)  # widened per pair
+        gate_up = torch.bmm(rows, w13.transpose(1, 2))
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         hidden = swiglu(gate, up, self.swiglu_limit)
-        down = torch.bmm(hidden, self.w2_weight[local].transpose(1, 2)).view(num_tokens, top_k, -1)
+        w2 = weight_for_product(self, "w2_weight")[local].to(x.dtype)
+        down = torch.bmm(hidden, w2.transpose(1, 2)).view(num_tokens, top_k, -1)
         return (down * weights.view(num_tokens, top_k, 1).to(down.dtype)).sum(dim=1)

@@ -1,0 +1,74 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Narrow copies of wide weights for captured steps on CPU.
+
+A decode, verify or draft step of a few rows is bound by the bytes of weights it reads,
+not by arithmetic. A bf16 checkpoint served with `--dtype float32` (the fast dtype of a CPU
+without native bf16 products) holds fp32 weights whose values are all exactly
+representable in bf16. For such a tensor a bf16 copy holds the same numbers in half the
+bytes: inside a captured step the products read the copy and widen it as they load
+(`weight_for_product`), the compiler fusing the widening into the read (for routed
+experts, into the per-pair gather). The products then see exactly the fp32 values, so
+results are unchanged; only memory traffic halves. Eager forwards (prefill) keep using the
+wide tensor, so they pay no conversion.
+
+A tensor gets a copy only when the copy is lossless (every value round-trips), so an fp32
+checkpoint, or weights a loader dequantised to values bf16 cannot hold, keep the wide path.
+The copies cost half the wide weights' memory again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from runtime.core.capture import in_capture
+
+NARROW_SUFFIX = "_narrow"
+NARROW_DTYPE = torch.bfloat16
+# tensors smaller than this stay wide: the saving is noise and the compiler fuses them anyway
+MIN_NUMEL = 1 << 14
+
+
+def weight_for_product(module: nn.Module, name: str) -> torch.Tensor:
+    """The tensor a product should read: the narrow copy inside a captured step when the
+    module has one, else the wide weight. Callers widen after any gather (`.to(x.dtype)`)."""
+    if in_capture():
+        narrow = getattr(module, name + NARROW_SUFFIX, None)
+        if narrow is not None:
+            return narrow
+    return getattr(module, name)
+
+
+def attach_narrow_copies(models: Iterable[nn.Module], min_numel: int = MIN_NUMEL) -> int:
+    """Give every module of `models` a narrow copy of each fp32 tensor of at least
+    `min_numel` elements it lists in `narrow_weight_names` that bf16 holds exactly (a buffer
+    `<name>_narrow`). A tensor shared by several modules (a draft's LM head is the target's)
+    gets one copy. Returns the bytes of the copies made."""
+    made: dict[tuple[int, tuple[int, ...]], torch.Tensor] = {}
+    total = 0
+    for model in models:
+        for module in model.modules():
+            for name in getattr(module, "narrow_weight_names", ()):
+                wide = getattr(module, name, None)
+                if not _narrowable(wide, min_numel):
+                    continue
+                key = (wide.data_ptr(), tuple(wide.shape))
+                if key not in made:
+                    narrow = wide.detach().to(NARROW_DTYPE)
+                    if not torch.equal(narrow.to(wide.dtype), wide):
+                        continue
+                    made[key] = narrow
+                    total += narrow.numel() * narrow.element_size()
+                module.register_buffer(name + NARROW_SUFFIX, made[key], persistent=False)
+    return total
+
+
+def _narrowable(wide, min_numel: int) -> bool:
+    return (
+        isinstance(wide, torch.Tensor)
+        and wide.dtype == torch.float32
+        and wide.device.type == "cpu"
+        and wide.numel() >= min_numel
+    )
