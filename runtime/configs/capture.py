@@ -33,7 +33,9 @@ class CaptureConfig:
     thread the first time it is needed and serve that step eagerly meanwhile (False: compile
     in the calling thread, which then waits; the engine's `startup` mode compiles every
     bucket before serving, in the calling thread too). `cache_dir`: compiled artifacts on disk.
-    `inductor_options`: passed to `torch.compile(options=...)` on CPU."""
+    `inductor_options`: passed to `torch.compile(options=...)` on CPU. `narrow_weights`: on
+    CPU the steps read bf16 copies of fp32 weights bf16 holds exactly (`--disable-narrow-weights`
+    turns it off)."""
 
     enabled: bool = True
     batch_sizes: tuple[int, ...] = ()
@@ -42,6 +44,7 @@ class CaptureConfig:
     background: bool = True
     cache_dir: str | None = None
     inductor_options: dict = field(default_factory=dict)
+    narrow_weights: bool = True
 
     def buckets(self, max_running_requests: int) -> tuple[int, ...]:
         """Ascending bucket sizes; a batch runs in the smallest bucket that holds it."""

@@ -148,6 +148,12 @@ class EngineConfig:
         "CUDA: torch.compile the captured steps before graph capture (on CPU the capture is "
         "always a compile)",
     )
+    disable_narrow_weights: bool = setting(
+        False,
+        "CPU: captured steps read the fp32 weights instead of bf16 copies of those whose values "
+        "bf16 holds exactly (a bf16 checkpoint run in fp32); the copies halve the weight bytes "
+        "a decode step reads and cost half the fp32 weights' memory",
+    )
     capture_compile: str = setting(
         "background",
         "when a batch bucket's graph is built: background (its steps run eagerly until it is "
@@ -179,6 +185,7 @@ class EngineConfig:
             max_batch_size=self.cuda_graph_max_bs,
             torch_compile=self.enable_torch_compile,
             background=self.capture_compile == "background",
+            narrow_weights=not self.disable_narrow_weights,
         )
 
     def speculative_config(self) -> SpeculativeConfig | None:

@@ -74,8 +74,10 @@ def build_runners(
     if snapshot_slots:
         for each in runners.values():
             each.kv_pool.allocate_snapshots(snapshot_slots)
-    captured = [r.model for r in runners.values() if r.graph_runner is not None]
-    narrow_bytes = attach_narrow_copies(captured)  # after the draft's head is in place
+    narrow_bytes = 0
+    if capture is not None and capture.narrow_weights:  # after the draft's head is in place
+        captured = [r.model for r in runners.values() if r.graph_runner is not None]
+        narrow_bytes = attach_narrow_copies(captured)
     if narrow_bytes:
         logger.info(
             "captured steps read bf16 copies of fp32 weights bf16 holds exactly (%.1f MiB)",

@@ -114,7 +114,13 @@ def add_cache_args(
     EngineConfig.add_cli_args(parser, names=names)
 
 
-CAPTURE_FLAGS = ("disable_cuda_graph", "cuda_graph_bs", "cuda_graph_max_bs", "capture_compile")
+CAPTURE_FLAGS = (
+    "disable_cuda_graph",
+    "cuda_graph_bs",
+    "cuda_graph_max_bs",
+    "capture_compile",
+    "disable_narrow_weights",
+)
 
 
 def add_capture_args(parser: argparse.ArgumentParser) -> None:

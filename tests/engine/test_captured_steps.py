@@ -471,3 +471,28 @@ def test_default_model_captured_steps_read_narrow_copies(monkeypatch):
         assert any("experts" in n for n in narrow) and any("lm_head" in n for n in narrow)
         outs = engine.generate(prompts, params)
         assert [o["output_ids"] for o in outs] == [o["output_ids"] for o in eager], spec
+
+
+def test_narrow_copies_follow_the_flag_and_the_dtype(monkeypatch):
+    """The embedded bf16 model in fp32 with captured steps gets bf16 copies (one of the LM
+    head, which the draft shares); `--disable-narrow-weights`, `--disable-cuda-graph` or
+    bf16 weights get none. Nothing compiles here (no step runs)."""
+    monkeypatch.delenv(DISABLE_ENV, raising=False)
+
+    def copies(**kw):
+        engine = Engine(capture_compile="inline", speculative_algorithm="NEXTN", **kw)
+        models = [engine.runner.model, engine.worker.drafter.runner.model]
+        return [
+            (name, buf)
+            for m in models
+            for name, buf in m.named_buffers()
+            if name.endswith("_narrow")
+        ]
+
+    narrow = dict(copies(dtype="float32"))
+    assert narrow and all(b.dtype == torch.bfloat16 for b in narrow.values())
+    heads = [b for n, b in copies(dtype="float32") if n == "lm_head.weight_narrow"]
+    assert len(heads) == 2 and heads[0] is heads[1]  # target and draft share one copy
+    assert not copies(dtype="float32", disable_narrow_weights=True)
+    assert not copies(dtype="float32", disable_cuda_graph=True)
+    assert not copies(dtype="bfloat16")
