@@ -204,6 +204,114 @@ def test_trained_mtp_is_the_runtime_draft(trained):
     assert_runtime_equals_training_form(trained, DeepseekV4ForCausalLMNextN, (40, 23))
 
 
+def test_chained_training_form_is_the_runtime_draft_chain(trained):
+    """`chained_draft` (every pass of the chain over all rows at once, `chain_mask`) against
+    the runtime's paged draft: an extend over the target's rows, then chained single-token
+    steps that read the previous step's streams, each fed the next token of the text. Pass
+    k at row r must equal the step-k logits of a chain whose verified rows end at r - k;
+    the rows lie past the draft's window (16), so the mask's window is checked too."""
+    from runtime.cache import PagedTokenAllocator, ReqToTokenPool, SlotTable
+    from runtime.configs.model_config import ModelConfig
+    from runtime.core.forward_mode import CaptureHiddenMode, ForwardMode
+    from runtime.execution.model_runner import ModelInput
+    from runtime.models.deepseek_v4_mtp import DeepseekV4ForCausalLMNextN
+
+    passes = 3
+    model = load_checkpoint(trained).eval()
+    config = ModelConfig.from_path(trained, "float32")
+    tokens = torch.randint(
+        3, config.vocab_size, (1, 44), generator=torch.Generator().manual_seed(2)
+    )
+    with torch.no_grad():
+        _, chained = model.chained_draft(tokens, passes)
+    ids = tokens[0]
+    for verified in (9, 21, 37):  # verified rows 0..verified-1 (the last lies past the window)
+        table = SlotTable(ReqToTokenPool(4, 256), PagedTokenAllocator(64, 4))
+        target = load_runner(config, table, max_tokens_per_pass=4)
+        draft = load_runner(
+            config, table, max_tokens_per_pass=4, model_cls=DeepseekV4ForCausalLMNextN
+        )
+        draft.model.set_embed_and_head(*target.model.get_embed_and_head())
+        req = table.open_request()
+        table.reserve(req, verified + passes + 2)
+        out = target.forward(
+            ModelInput(
+                ForwardMode.EXTEND, ids[:verified], [req], [0], [verified],
+                capture_hidden_mode=CaptureHiddenMode.FULL,
+            )
+        )  # fmt: skip
+        step = draft.forward(
+            ModelInput(
+                ForwardMode.DRAFT_EXTEND, ids[1 : verified + 1], [req], [0], [verified],
+                capture_hidden_mode=CaptureHiddenMode.LAST,
+                captured_hidden_states=out.hidden_states,
+            )
+        )  # fmt: skip
+        row = verified - 1
+        torch.testing.assert_close(
+            step.next_token_logits[0], chained[0, 0, row], atol=1e-4, rtol=1e-4
+        )
+        for k in range(1, passes):
+            row += 1
+            step = draft.forward(
+                ModelInput(
+                    ForwardMode.DECODE, ids[row + 1 : row + 2], [req], [row], [1],
+                    capture_hidden_mode=CaptureHiddenMode.LAST,
+                    captured_hidden_states=step.hidden_states, spec_step_idx=k,
+                )
+            )  # fmt: skip
+            torch.testing.assert_close(
+                step.next_token_logits[0], chained[0, k, row], atol=1e-4, rtol=1e-4
+            )
+
+
+def test_distillation_fits_a_batch_and_changes_only_the_draft(trained, tmp_path):
+    """The distillation loss falls as the MTP fits one batch (its gradient reaches the
+    draft through every chained pass); `scripts.distill_draft` rewrites only `mtp.*`
+    tensors, the model's output is unchanged, and the card says what was done."""
+    from safetensors.torch import load_file
+
+    from scripts import distill_draft
+    from scripts.tiny_training.draft_distill import distill_loss, freeze_trunk_
+
+    model = load_checkpoint(trained)
+    params = freeze_trunk_(model)
+    assert params and all(not p.requires_grad for p in model.trunk.parameters())
+    optimizer = torch.optim.Adam(params, lr=3e-3)
+    batch = torch.randint(
+        3, model.config["vocab_size"], (2, 34), generator=torch.Generator().manual_seed(4)
+    )
+    first = None
+    for _ in range(8):
+        loss = distill_loss(*model.chained_draft(batch, 3))
+        first = loss.item() if first is None else first
+        optimizer.zero_grad()
+        loss.backward()
+        assert all(p.grad is not None for p in model.mtp.block.self_attn.parameters())
+        optimizer.step()
+    assert distill_loss(*model.chained_draft(batch, 3)).item() < 0.7 * first
+
+    out = tmp_path / "distilled"
+    flags = ["--model-path", str(trained), "--output-dir", str(out), "--max-steps", "2"]
+    flags += ["--max-minutes", "0", "--seq-len", "64", "--batch-size", "2", "--threads", "1"]
+    distill_draft.main([*flags, "--eval-windows", "8", "--skip-runtime-eval"])
+    before = load_file(str(trained / "model.safetensors"))
+    after = load_file(str(out / "model.safetensors"))
+    assert before.keys() == after.keys()
+    changed = {k for k in before if not torch.equal(before[k], after[k])}
+    assert changed and all(k.startswith("mtp.") for k in changed)
+    summary = json.loads((out / "training.json").read_text())
+    assert summary["draft_distillation"]["steps"] == 2
+    assert len(summary["draft_distillation"]["agreement_after"]) == 3
+    assert "## Draft distillation" in (out / "README.md").read_text()
+    assert (out / "freq_2048.json").exists()
+    plain = Engine(model_path=str(trained), dtype="float32").generate(PROMPT, GREEDY)
+    nextn = Engine(
+        model_path=str(out), dtype="float32", speculative_algorithm="NEXTN", speculative_num_steps=3
+    ).generate(PROMPT, GREEDY)
+    assert nextn["output_ids"] == plain["output_ids"]
+
+
 # ---------------------------------------------------------------------------------------
 # Qwen4Exp
 

@@ -188,11 +188,25 @@ class MTPLayer(nn.Module):
     ) -> torch.Tensor:
         """`streams [B, S, hc, H]`, `next_embeds [B, S, H]` (embedding of t_{i+1}) ->
         normed hidden `[B, S, H]` for the shared head."""
+        return self.head_hidden(self.block_streams(streams, next_embeds, rope, positions, mask))
+
+    def block_streams(
+        self,
+        streams: torch.Tensor,
+        next_embeds: torch.Tensor,
+        rope: dict,
+        positions: torch.Tensor,
+        mask: torch.Tensor,
+    ) -> torch.Tensor:
+        """The block's output streams `X [B, S, hc, H]`: what a chained draft step reads as
+        its `h` (runtime/models/deepseek_v4_mtp.py)."""
         next_embeds = next_embeds.masked_fill((positions == 0).view(1, -1, 1), 0)
         x = self.h_proj(self.hnorm(streams)) + self.e_proj(self.enorm(next_embeds)).unsqueeze(2)
-        x = self.block(
+        return self.block(
             x, position_embeddings=rope, position_ids=positions.unsqueeze(0), attention_mask=mask
         )
+
+    def head_hidden(self, x: torch.Tensor) -> torch.Tensor:
         return self.norm(self.hc_head(x))
 
 
@@ -235,6 +249,42 @@ class TinyV4(nn.Module):
         mask = sliding_window_mask(seq, self.config["sliding_window"], tokens.device)
         hidden = self.mtp(streams, model.embed_tokens(next_ids), rope, positions, mask)
         return trunk_logits, self.trunk.lm_head(hidden)
+
+    def _ropes(self, like: torch.Tensor, positions: torch.Tensor) -> dict:
+        rotary = self.trunk.model.rotary_emb
+        return {
+            kind: rotary(like, positions.unsqueeze(0), layer_type=kind)
+            for kind in ("main", "compress")
+        }
+
+    def chained_draft(self, tokens: torch.Tensor, passes: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The MTP run as the runtime chains it, `passes` draft steps from every row at once
+        (HASS / EAGLE-3's training-time test): `tokens [B, S + 2]` -> (the frozen trunk's
+        logits `[B, S + 1, V]` over `tokens[:, :S + 1]`, draft logits `[B, passes, S, V]`).
+
+        Pass 0 is the MTP over the trunk's streams, as `forward`. Row r of pass k > 0 reads
+        pass k-1's output streams at row r-1 and the embedding of t_{r+1} (teacher forcing),
+        and attends to pass-0 rows up to r-k and to its own chain's rows r-k+1..r: the keys a
+        runtime draft step at position r sees when the verified rows end at r-k (every
+        cached draft row comes from the target's streams, the chain's rows from the draft's
+        own). The block runs once per pass over all passes so far (`chain_mask`)."""
+        seq = tokens.shape[1] - 2
+        with torch.no_grad():
+            trunk_logits = self.trunk(input_ids=tokens[:, : seq + 1], use_cache=False).logits
+            streams, self._streams = self._streams[:, :seq], None
+        embeds = self.trunk.model.embed_tokens(tokens[:, 1 : seq + 1])
+        inputs = [streams]
+        for k in range(passes):
+            positions = torch.arange(seq, device=tokens.device).repeat(k + 1)
+            mask = chain_mask(seq, k + 1, self.config["sliding_window"], tokens.device)
+            x = self.mtp.block_streams(
+                torch.cat(inputs, 1), embeds.repeat(1, k + 1, 1),
+                self._ropes(streams, positions), positions, mask,
+            )  # fmt: skip
+            newest = x[:, k * seq :]
+            inputs.append(F.pad(newest[:, :-1], (0, 0, 0, 0, 1, 0)))  # row r reads row r-1
+        logits = self.trunk.lm_head(self.mtp.head_hidden(x))
+        return trunk_logits, logits.unflatten(1, (passes, seq))
 
 
 TinyModel = TinyV4  # the name the driver builds every family's model by
@@ -287,6 +337,22 @@ def sliding_window_mask(seq: int, window: int, device) -> torch.Tensor:
     visible = (k <= q) & (k > q - window)
     mask = torch.zeros(seq, seq, device=device).masked_fill(~visible, float("-inf"))
     return mask.view(1, 1, seq, seq)
+
+
+def chain_mask(seq: int, passes: int, window: int, device) -> torch.Tensor:
+    """Additive mask `[1, 1, P*S, P*S]` over `passes` copies of S rows (row j*S + r is row r
+    of pass j). A query of pass k at row r sees pass-0 keys at rows up to r-k and the key of
+    pass j at row r-(k-j) for 0 < j <= k, all within the window: pass 0 alone is
+    `sliding_window_mask`."""
+    row = torch.arange(seq, device=device).repeat(passes)
+    step = torch.arange(passes, device=device).repeat_interleave(seq)
+    q_row, q_step = row.view(-1, 1), step.view(-1, 1)
+    k_row, k_step = row.view(1, -1), step.view(1, -1)
+    cached = (k_step == 0) & (k_row <= q_row - q_step)
+    chained = (k_step > 0) & (k_step <= q_step) & (k_row == q_row - (q_step - k_step))
+    visible = (cached | chained) & (k_row > q_row - window)
+    mask = torch.zeros(visible.shape, device=device).masked_fill(~visible, float("-inf"))
+    return mask.view(1, 1, *visible.shape)
 
 
 def init_hash_routing_(trunk: nn.Module, generator: torch.Generator) -> None:
