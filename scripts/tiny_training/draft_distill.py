@@ -20,23 +20,14 @@ acceptance of its drafts does."""
 
 from __future__ import annotations
 
-import math
 import sys
 import time
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from scripts.tiny_training.loop import sample_batch
-
-
-@dataclass
-class DistillState:
-    step: int = 0
-    elapsed: float = 0.0
-    tokens: int = 0
+from scripts.tiny_training.loop import TrainState, budget_left, learning_rate, sample_batch
 
 
 def distill_loss(trunk_logits: torch.Tensor, draft_logits: torch.Tensor) -> torch.Tensor:
@@ -85,33 +76,15 @@ def freeze_trunk_(model: nn.Module) -> list[nn.Parameter]:
     return params
 
 
-def learning_rate(args, state: DistillState) -> float:
-    if state.step < args.warmup_steps:
-        return args.lr * (state.step + 1) / args.warmup_steps
-    progress = 0.0
-    if args.max_steps:
-        progress = max(progress, state.step / args.max_steps)
-    if args.max_minutes:
-        progress = max(progress, state.elapsed / (60 * args.max_minutes))
-    cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-    return args.lr * (args.min_lr_ratio + (1 - args.min_lr_ratio) * cosine)
-
-
-def budget_left(args, state: DistillState) -> bool:
-    if args.max_steps and state.step >= args.max_steps:
-        return False
-    return not (args.max_minutes and state.elapsed >= 60 * args.max_minutes)
-
-
-def distill(args, model: nn.Module, train_stream: torch.Tensor) -> DistillState:
-    """The loop: AdamW on the MTP's parameters, warm-up then cosine to `min_lr_ratio`,
-    bounded by --max-steps / --max-minutes."""
+def distill(args, model: nn.Module, train_stream: torch.Tensor) -> TrainState:
+    """The loop: AdamW on the MTP's parameters, the trainer's warm-up + cosine schedule and
+    its --max-steps / --max-minutes budgets."""
     from tqdm import tqdm
 
     params = freeze_trunk_(model)
     optimizer = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
     gen = torch.Generator().manual_seed(args.seed)
-    state = DistillState()
+    state = TrainState()
     model.train()
     bar = tqdm(
         total=args.max_steps or None,
