@@ -47,37 +47,42 @@ def _tokens_per_s(results: list[dict], seconds: float) -> float:
     return sum(len(r["output_ids"]) for r in results) / seconds
 
 
-def pick_dtype(path: Path, prompts: list[str], params: dict) -> tuple[str, dict[str, float]]:
-    """The faster of float32 and bfloat16 for plain batch-1 decoding of `prompts`."""
+# Batch-1 engines with their captured steps compiled before any timed request: with the
+# default background compile, the first requests run eagerly beside a compiling thread on
+# the same cores and the figures measure the compiler.
+CAPTURED_AT_BATCH_1 = {"cuda_graph_bs": [1], "capture_compile": "startup"}
+
+
+def _engine(path: Path, dtype: str, **spec):
     from runtime import Engine
 
-    speeds = {}
-    for dtype in ("float32", "bfloat16"):
-        engine = Engine(model_path=str(path), dtype=dtype)
-        _warm_up(engine, prompts[0], params)
-        speeds[dtype] = _tokens_per_s(*_timed_generate(engine, prompts, params))
-    return max(speeds, key=speeds.get), speeds
+    return Engine(model_path=str(path), dtype=dtype, **CAPTURED_AT_BATCH_1, **spec)
 
 
-def runtime_report(path: Path, prompts: list[str], dtype: str, steps: int, new_tokens: int) -> dict:
-    """Serve the checkpoint with the runtime, plain and with NEXTN: speed and acceptance.
-    `dtype="auto"` first measures which of float32 / bfloat16 decodes faster."""
-    from runtime import Engine
+def runtime_report(
+    path: Path, prompts: list[str], dtype: str, steps: int, new_tokens: int, threads: int = 1
+) -> dict:
+    """Serve the checkpoint with the runtime, plain and with NEXTN: speed and acceptance,
+    with `threads` torch threads (restored after). `dtype="auto"` is the runtime's own
+    choice (on a CPU, the faster of the checkpoint's dtype and float32 on this host)."""
+    trained_with = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return _runtime_report(path, prompts, dtype, steps, new_tokens)
+    finally:
+        torch.set_num_threads(trained_with)
 
+
+def _runtime_report(
+    path: Path, prompts: list[str], dtype: str, steps: int, new_tokens: int
+) -> dict:
     params = {"temperature": 0, "max_new_tokens": new_tokens}
-    dtype_speeds = None
-    if dtype == "auto":
-        dtype, dtype_speeds = pick_dtype(path, prompts[:4], params)
-    plain = Engine(model_path=str(path), dtype=dtype)
+    plain = _engine(path, dtype)
+    dtype = str(plain.model_config.dtype).removeprefix("torch.")
     _warm_up(plain, prompts[0], params)
     plain_results, plain_seconds = _timed_generate(plain, prompts, params)
     del plain
-    nextn = Engine(
-        model_path=str(path),
-        dtype=dtype,
-        speculative_algorithm="NEXTN",
-        speculative_num_steps=steps,
-    )
+    nextn = _engine(path, dtype, speculative_algorithm="NEXTN", speculative_num_steps=steps)
     _warm_up(nextn, prompts[0], params)
     stats = nextn.worker.stats  # engine-wide counters: take the difference over the prompts
     rounds0, emitted0 = stats.verify_rounds, stats.emitted_tokens
@@ -92,7 +97,7 @@ def runtime_report(path: Path, prompts: list[str], dtype: str, steps: int, new_t
     nextn_speed = _tokens_per_s(nextn_results, nextn_seconds)
     return {
         "dtype": dtype,
-        "dtype_plain_tokens_per_s": dtype_speeds,
+        "captured_steps": True,
         "threads": torch.get_num_threads(),
         "num_prompts": len(prompts),
         "max_new_tokens": new_tokens,
@@ -160,7 +165,7 @@ def evaluate_checkpoint(path: Path, args) -> dict:
     if not args.skip_runtime_eval:
         prompts = eval_prompts(held_sources, args.eval_prompts)
         report = runtime_report(
-            path, prompts, args.eval_dtype, args.spec_steps, args.eval_new_tokens
+            path, prompts, args.eval_dtype, args.spec_steps, args.eval_new_tokens, args.eval_threads
         )
         parity = transformers_parity(path, prompts[:2])
         print(json.dumps({**report, "transformers_parity": parity}, indent=2), flush=True)

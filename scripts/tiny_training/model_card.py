@@ -13,14 +13,6 @@ from scripts.tiny_training.families import family_of_config
 from scripts.tiny_training.hot_vocab import HOT_VOCAB_FILE, HOT_VOCAB_SIZE
 
 
-def _dtype_note(report: dict) -> str:
-    speeds = report.get("dtype_plain_tokens_per_s")
-    if not speeds:
-        return ""
-    shown = ", ".join(f"{dtype} {speed:.1f}" for dtype, speed in speeds.items())
-    return f" ({report['dtype']} is the faster here; plain tokens/s on 4 prompts: {shown})"
-
-
 def _card_data_lines(config: dict, summary: dict) -> list[str]:
     """Corpus, tokenizer and optimisation: the same for every family."""
     corpus = summary["corpus"]
@@ -68,12 +60,12 @@ def _card_runtime_lines(report: dict) -> list[str]:
         "",
         "## Served by the runtime",
         "",
-        f'`Engine(model_path=DIR, dtype="{report["dtype"]}")`, greedy, '
+        f'`Engine(model_path=DIR, dtype="{report["dtype"]}", cuda_graph_bs=[1], '
+        'capture_compile="startup")` (captured batch-1 steps, compiled before timing), greedy, '
         f"{report['max_new_tokens']} new tokens for each of {report['num_prompts']} prompts "
         "(the first lines, up to 320 characters, of held-out files), one at a time (batch 1), "
-        f"{report['threads']} torch threads with `OMP_WAIT_POLICY=PASSIVE`"
-        + _dtype_note(report)
-        + ":",
+        f"{report['threads']} torch thread{'s' * (report['threads'] != 1)} with "
+        "`OMP_WAIT_POLICY=PASSIVE`:",
         "",
         "| | tokens/s |",
         "|---|---|",
