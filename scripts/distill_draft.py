@@ -30,7 +30,10 @@ from scripts.tiny_training.corpus import (  # noqa: E402
     stdlib_sources,
 )
 from scripts.tiny_training.draft_distill import chain_agreement, distill  # noqa: E402
-from scripts.tiny_training.evaluation import evaluate_checkpoint  # noqa: E402
+from scripts.tiny_training.evaluation import (  # noqa: E402
+    add_evaluation_arguments,
+    evaluate_checkpoint,
+)
 from scripts.tiny_training.export import export_checkpoint, load_checkpoint  # noqa: E402
 from scripts.tiny_training.families import deepseek_v4  # noqa: E402
 
@@ -62,23 +65,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     opt.add_argument("--warmup-steps", type=int, default=20)
     opt.add_argument("--grad-clip", type=float, default=1.0)
     ev = p.add_argument_group("evaluation (as the trainer's)")
-    ev.add_argument("--eval-windows", type=int, default=64)
-    ev.add_argument("--skip-runtime-eval", action="store_true")
-    ev.add_argument("--eval-prompts", type=int, default=20)
-    ev.add_argument("--eval-new-tokens", type=int, default=64)
-    ev.add_argument(
-        "--eval-threads",
-        type=int,
-        default=1,
-        help="torch threads of the runtime speed figures: batch-1 decode of a tiny model is "
-        "made of small operators, and 2 threads on a 2-core CPU measured 4.5x slower than 1",
-    )
-    ev.add_argument(
-        "--eval-dtype",
-        choices=("auto", "float32", "bfloat16"),
-        default="auto",
-        help="runtime dtype for the speed figures; auto: the runtime's choice for this host",
-    )
+    add_evaluation_arguments(ev)
     args = p.parse_args(argv)
     if args.num_steps < 1:
         p.error("--num-steps must be at least 1")

@@ -41,7 +41,10 @@ from scripts.tiny_training.corpus import (  # noqa: E402
     TOKEN_IDS,
     prepare_corpus,
 )
-from scripts.tiny_training.evaluation import evaluate_checkpoint  # noqa: E402
+from scripts.tiny_training.evaluation import (  # noqa: E402
+    add_evaluation_arguments,
+    evaluate_checkpoint,
+)
 from scripts.tiny_training.export import (  # noqa: E402
     count_parameters,
     export_checkpoint,
@@ -129,27 +132,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     ev = p.add_argument_group("evaluation")
     ev.add_argument("--evaluate-only", metavar="DIR", help="only evaluate a checkpoint directory")
-    ev.add_argument(
-        "--skip-runtime-eval",
-        action="store_true",
-        help="held-out losses only (no runtime speed / acceptance, no parity check)",
-    )
-    ev.add_argument("--eval-windows", type=int, default=64)
-    ev.add_argument("--eval-prompts", type=int, default=20)
-    ev.add_argument("--eval-new-tokens", type=int, default=64)
-    ev.add_argument(
-        "--eval-threads",
-        type=int,
-        default=1,
-        help="torch threads of the runtime speed figures: batch-1 decode of a tiny model is "
-        "made of small operators, and 2 threads on a 2-core CPU measured 4.5x slower than 1",
-    )
-    ev.add_argument(
-        "--eval-dtype",
-        choices=("auto", "float32", "bfloat16"),
-        default="auto",
-        help="runtime dtype for the speed figures; auto: the runtime's choice for this host",
-    )
+    add_evaluation_arguments(ev)
     ev.add_argument("--spec-steps", type=int, default=3)
     args = p.parse_args(argv)
     args.argv = argv

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from scripts.tiny_training.loop import TrainState, budget_left, learning_rate, sample_batch
+from scripts.tiny_training.loop import TrainState, budget_left, start_step
 
 
 def distill_loss(trunk_logits: torch.Tensor, draft_logits: torch.Tensor) -> torch.Tensor:
@@ -93,10 +93,7 @@ def distill(args, model: nn.Module, train_stream: torch.Tensor) -> TrainState:
     )
     while budget_left(args, state):
         started = time.perf_counter()
-        lr = learning_rate(args, state)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        tokens = sample_batch(train_stream, args.batch_size, args.seq_len, gen)
+        lr, tokens = start_step(args, state, optimizer, train_stream, gen)
         loss = distill_loss(*model.chained_draft(tokens, args.num_steps))
         optimizer.zero_grad(set_to_none=True)
         loss.backward()

@@ -141,6 +141,31 @@ def transformers_parity(path: Path, prompts: list[str], new_tokens: int = 32) ->
     return {"prompts": len(prompts), "new_tokens": new_tokens, "equal": sum(equal)}
 
 
+def add_evaluation_arguments(group) -> None:
+    """The flags `evaluate_checkpoint` reads (besides `spec_steps`), on an argparse group."""
+    group.add_argument(
+        "--skip-runtime-eval",
+        action="store_true",
+        help="held-out losses only (no runtime speed / acceptance, no parity check)",
+    )
+    group.add_argument("--eval-windows", type=int, default=64)
+    group.add_argument("--eval-prompts", type=int, default=20)
+    group.add_argument("--eval-new-tokens", type=int, default=64)
+    group.add_argument(
+        "--eval-threads",
+        type=int,
+        default=1,
+        help="torch threads of the runtime speed figures: batch-1 decode of a tiny model is "
+        "made of small operators, and 2 threads on a 2-core CPU measured 4.5x slower than 1",
+    )
+    group.add_argument(
+        "--eval-dtype",
+        choices=("auto", "float32", "bfloat16"),
+        default="auto",
+        help="runtime dtype for the speed figures; auto: the runtime's choice for this host",
+    )
+
+
 def evaluate_checkpoint(path: Path, args) -> dict:
     """Held-out losses of the saved weights, the runtime's NEXTN acceptance and speed, and
     transformers parity; writes evaluation.json and README.md into `path`."""

@@ -114,6 +114,15 @@ def budget_left(args, state: TrainState) -> bool:
     return not (args.max_minutes and state.elapsed >= 60 * args.max_minutes)
 
 
+def start_step(args, state: TrainState, optimizer, stream: torch.Tensor, gen) -> tuple:
+    """Set the schedule's learning rate on every parameter group and draw the step's batch;
+    returns `(lr, tokens)`."""
+    lr = learning_rate(args, state)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    return lr, sample_batch(stream, args.batch_size, args.seq_len, gen)
+
+
 def save_state(path: Path, model, optimizer, state: TrainState, gen, config) -> None:
     tmp = path.with_suffix(".tmp")
     torch.save(
@@ -156,10 +165,7 @@ def train(args, model: nn.Module, train_stream, held_windows, work_dir: Path) ->
     last_save = last_eval = state.elapsed
     while budget_left(args, state):
         started = time.perf_counter()
-        lr = learning_rate(args, state)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        tokens = sample_batch(train_stream, args.batch_size, args.seq_len, gen)
+        lr, tokens = start_step(args, state, optimizer, train_stream, gen)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.precision == "bf16"):
             result = losses(model, tokens)
         loss = result["trunk"] + args.mtp_weight * result["mtp"]

@@ -6,7 +6,9 @@ the same names, so that adding a family is adding one module here:
   `DEFAULT_WORK_DIR`;
 - `add_arguments(parser)` (shape and family flags), `model_config(args, vocab, token_ids)`;
 - `TinyModel(config, seed)`: trunk + MTP in training form, `forward(tokens)` -> (trunk
-  logits, MTP logits); `make_balancer(model, args)` with `loss()` and `update()`;
+  logits, MTP logits), and optionally `chained_draft(tokens, passes)` (the draft chained
+  as the runtime chains it, for `scripts.distill_draft`); `make_balancer(model, args)` with
+  `loss()` and `update()`;
 - `released_state_dict(model)`, `load_released_state_(model, tensors)`: the released
   checkpoint names and dtypes; `hf_causal_lm()`: the transformers class for parity;
 - `training_summary(args, model)`, `card_introduction`, `card_architecture`,

@@ -186,20 +186,9 @@ class MTPLayer(nn.Module):
         positions: torch.Tensor,
         mask: torch.Tensor,
     ) -> torch.Tensor:
-        """`streams [B, S, hc, H]`, `next_embeds [B, S, H]` (embedding of t_{i+1}) ->
-        normed hidden `[B, S, H]` for the shared head."""
-        return self.head_hidden(self.block_streams(streams, next_embeds, rope, positions, mask))
-
-    def block_streams(
-        self,
-        streams: torch.Tensor,
-        next_embeds: torch.Tensor,
-        rope: dict,
-        positions: torch.Tensor,
-        mask: torch.Tensor,
-    ) -> torch.Tensor:
-        """The block's output streams `X [B, S, hc, H]`: what a chained draft step reads as
-        its `h` (runtime/models/deepseek_v4_mtp.py)."""
+        """`streams [B, S, hc, H]`, `next_embeds [B, S, H]` (embedding of t_{i+1}) -> the
+        block's output streams `X [B, S, hc, H]`, what a chained draft step reads as its `h`
+        (runtime/models/deepseek_v4_mtp.py); `head_hidden(X)` feeds the shared head."""
         next_embeds = next_embeds.masked_fill((positions == 0).view(1, -1, 1), 0)
         x = self.h_proj(self.hnorm(streams)) + self.e_proj(self.enorm(next_embeds)).unsqueeze(2)
         return self.block(
@@ -242,13 +231,10 @@ class TinyV4(nn.Module):
             streams = streams.detach()
         model = self.trunk.model
         positions = torch.arange(seq, device=tokens.device)
-        rope = {
-            kind: model.rotary_emb(streams, positions.unsqueeze(0), layer_type=kind)
-            for kind in ("main", "compress")
-        }
+        rope = self._ropes(streams, positions)
         mask = sliding_window_mask(seq, self.config["sliding_window"], tokens.device)
-        hidden = self.mtp(streams, model.embed_tokens(next_ids), rope, positions, mask)
-        return trunk_logits, self.trunk.lm_head(hidden)
+        x = self.mtp(streams, model.embed_tokens(next_ids), rope, positions, mask)
+        return trunk_logits, self.trunk.lm_head(self.mtp.head_hidden(x))
 
     def _ropes(self, like: torch.Tensor, positions: torch.Tensor) -> dict:
         rotary = self.trunk.model.rotary_emb
@@ -277,7 +263,7 @@ class TinyV4(nn.Module):
         for k in range(passes):
             positions = torch.arange(seq, device=tokens.device).repeat(k + 1)
             mask = chain_mask(seq, k + 1, self.config["sliding_window"], tokens.device)
-            x = self.mtp.block_streams(
+            x = self.mtp(
                 torch.cat(inputs, 1), embeds.repeat(1, k + 1, 1),
                 self._ropes(streams, positions), positions, mask,
             )  # fmt: skip
