@@ -24,11 +24,7 @@ from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 
-from scripts.tiny_training.corpus import (  # noqa: E402
-    encode_documents,
-    split_by_file,
-    stdlib_sources,
-)
+from scripts.tiny_training.corpus import checkpoint_corpus, encode_documents  # noqa: E402
 from scripts.tiny_training.draft_distill import chain_agreement, distill  # noqa: E402
 from scripts.tiny_training.evaluation import (  # noqa: E402
     add_evaluation_arguments,
@@ -74,22 +70,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def corpus_streams(path: Path, summary: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """The checkpoint's own train and held-out splits (training.json), under its tokenizer."""
-    from tokenizers import Tokenizer
-
-    corpus = summary["corpus"]
-    train, held = split_by_file(stdlib_sources(corpus["limit_files"]), corpus["holdout_every"])
-    tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
-    return (
-        encode_documents(tokenizer, [text for _, text in train]),
-        encode_documents(tokenizer, [text for _, text in held]),
-    )
-
-
 def main(argv=None) -> dict:
-    from tokenizers import Tokenizer
-
     from scripts.tiny_training.loop import eval_windows
 
     args = parse_args(argv)
@@ -105,7 +86,9 @@ def main(argv=None) -> dict:
             file=sys.stderr,
         )
         raise SystemExit(2)
-    train_stream, held_stream = corpus_streams(source, summary)
+    tokenizer, train_sources, held_sources = checkpoint_corpus(source, summary["corpus"])
+    train_stream = encode_documents(tokenizer, [text for _, text in train_sources])
+    held_stream = encode_documents(tokenizer, [text for _, text in held_sources])
     held = eval_windows(held_stream, max(1, args.eval_windows // 4), args.seq_len)
     before = chain_agreement(model, held, args.batch_size, args.num_steps)
     print(f"held-out chain agreement before: {before}", flush=True)
@@ -114,9 +97,7 @@ def main(argv=None) -> dict:
     print(f"held-out chain agreement after {state.step} steps: {after}", flush=True)
     if output != source:
         shutil.copytree(source, output, dirs_exist_ok=True)  # the hot vocabulary and the rest
-    summary["size_mb"] = export_checkpoint(
-        model, Tokenizer.from_file(str(source / "tokenizer.json")), output
-    )
+    summary["size_mb"] = export_checkpoint(model, tokenizer, output)
     summary["draft_distillation"] = {
         "command": " ".join(["-m", PROG, *args.argv]),
         "steps": state.step,

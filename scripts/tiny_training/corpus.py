@@ -170,3 +170,12 @@ def prepare_corpus(
         "vocab_size": tokenizer.get_vocab_size(),
     }
     return Corpus(tokenizer, train_stream, held_stream, held_sources, info)
+
+
+def checkpoint_corpus(path: Path, corpus: dict) -> tuple[object, list, list]:
+    """A trained checkpoint's tokenizer and the train / held-out sources it was split into
+    (training.json's `corpus`): what later stages (evaluation, draft distillation) read."""
+    from tokenizers import Tokenizer
+
+    train, held = split_by_file(stdlib_sources(corpus["limit_files"]), corpus["holdout_every"])
+    return Tokenizer.from_file(str(path / "tokenizer.json")), train, held

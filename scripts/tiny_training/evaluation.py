@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from scripts.tiny_training.corpus import encode_documents, split_by_file, stdlib_sources
+from scripts.tiny_training.corpus import checkpoint_corpus, encode_documents
 from scripts.tiny_training.export import load_checkpoint
 from scripts.tiny_training.families import family_of_config
 from scripts.tiny_training.loop import eval_windows, evaluate_heldout, format_metrics
@@ -169,13 +169,9 @@ def add_evaluation_arguments(group) -> None:
 def evaluate_checkpoint(path: Path, args) -> dict:
     """Held-out losses of the saved weights, the runtime's NEXTN acceptance and speed, and
     transformers parity; writes evaluation.json and README.md into `path`."""
-    from tokenizers import Tokenizer
-
     summary = json.loads((path / "training.json").read_text())
     config = json.loads((path / "config.json").read_text())
-    corpus = summary["corpus"]
-    _, held_sources = split_by_file(stdlib_sources(corpus["limit_files"]), corpus["holdout_every"])
-    tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
+    tokenizer, _, held_sources = checkpoint_corpus(path, summary["corpus"])
     windows = eval_windows(
         encode_documents(tokenizer, [t for _, t in held_sources]),
         args.eval_windows,
