@@ -5,6 +5,7 @@ greedy `generate` equals the runtime's). Writes evaluation.json and the model ca
 
 from __future__ import annotations
 
+import argparse
 import json
 import time
 from pathlib import Path
@@ -141,6 +142,13 @@ def transformers_parity(path: Path, prompts: list[str], new_tokens: int = 32) ->
     return {"prompts": len(prompts), "new_tokens": new_tokens, "equal": sum(equal)}
 
 
+def _threads(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def add_evaluation_arguments(group) -> None:
     """The flags `evaluate_checkpoint` reads (besides `spec_steps`), on an argparse group."""
     group.add_argument(
@@ -153,7 +161,7 @@ def add_evaluation_arguments(group) -> None:
     group.add_argument("--eval-new-tokens", type=int, default=64)
     group.add_argument(
         "--eval-threads",
-        type=int,
+        type=_threads,
         default=1,
         help="torch threads of the runtime speed figures: batch-1 decode of a tiny model is "
         "made of small operators, and 2 threads on a 2-core CPU measured 4.5x slower than 1",

@@ -312,6 +312,21 @@ def test_distillation_fits_a_batch_and_changes_only_the_draft(trained, tmp_path)
     assert nextn["output_ids"] == plain["output_ids"]
 
 
+@pytest.mark.parametrize("flags", [["--eval-threads", "0"], ["--num-steps", "0"]])
+def test_distill_draft_refuses_bad_flags(flags, capsys):
+    from scripts import distill_draft
+
+    with pytest.raises(SystemExit) as exit_info:
+        distill_draft.parse_args(flags)
+    assert exit_info.value.code == 2 and flags[0] in capsys.readouterr().err
+
+
+def test_trainer_refuses_zero_eval_threads(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        train_tiny_model.parse_args(["--eval-threads", "0"])
+    assert exit_info.value.code == 2 and "--eval-threads" in capsys.readouterr().err
+
+
 # ---------------------------------------------------------------------------------------
 # Qwen4Exp
 
