@@ -78,7 +78,8 @@ class Engine:
         self.eos_ids = set(self.model_config.eos_token_ids)  # shared by worker and scheduler
         generator = None
         if config.random_seed is not None:
-            generator = torch.Generator().manual_seed(config.random_seed)
+            # on the engine's device: torch draws from a generator only on its own device
+            generator = torch.Generator(device=device).manual_seed(config.random_seed)
         self.runner, self.worker = build_worker(
             self.model_config,
             self.slot_table,

@@ -49,7 +49,7 @@ def build_runners(
     pass_width = spec.num_draft_tokens if spec else 1
 
     def runner(cls: type, role: str, width: int) -> ModelRunner:
-        model = load_model(model_config, cls, mapping, progress=progress)
+        model = load_model(model_config, cls, mapping, progress=progress).to(device)
         return ModelRunner(
             model,
             model_config,

@@ -53,17 +53,18 @@ def adjust_logits(
         output = list(req.output_ids) + list(extra)
         row = logits[i]
         if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0:
-            counts = torch.bincount(torch.tensor(output, dtype=torch.long), minlength=vocab)[
-                :vocab
-            ].to(row.dtype)
+            history = torch.tensor(output, dtype=torch.long, device=row.device)
+            counts = torch.bincount(history, minlength=vocab)[:vocab].to(row.dtype)
             row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
         if p.repetition_penalty != 1.0:
-            seen = torch.tensor(sorted(set(req.prompt_ids) | set(output)), dtype=torch.long)
+            seen = torch.tensor(
+                sorted(set(req.prompt_ids) | set(output)), dtype=torch.long, device=row.device
+            )
             vals = row[seen]
             row[seen] = torch.where(
                 vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty
             )
         if len(output) < p.min_new_tokens:
             banned = set(eos_ids) | set(p.stop_token_ids or [])
-            row[torch.tensor(sorted(banned), dtype=torch.long)] = float("-inf")
+            row[torch.tensor(sorted(banned), dtype=torch.long, device=row.device)] = float("-inf")
     return logits

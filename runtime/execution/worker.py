@@ -108,7 +108,8 @@ def token_logprob_outputs(
         if logprobs is None:
             logprobs = log_softmax_rows(logits)
         rows = _new_token_rows(logprobs, b, tokens, row_offsets)
-        values = rows.gather(1, torch.tensor(tokens[b]).unsqueeze(1)).squeeze(1).tolist()
+        new_ids = torch.tensor(tokens[b], device=rows.device).unsqueeze(1)
+        values = rows.gather(1, new_ids).squeeze(1).tolist()
         out.append((values, top_logprob_lists(req, rows)))
     return out
 
@@ -144,8 +145,11 @@ def sample_rows(
     extra = extra or [()] * len(reqs)
     adjusted = adjust_logits(logits, [RowHistory(r, e) for r, e in zip(reqs, extra)], eos_ids)
     logits = grammar_bitmask.apply(adjusted, bitmask, unadjusted=logits)
-    batch = SamplingBatch.from_params([r.sampling_params for r in reqs], vocab_size)
-    positions = torch.tensor([r.seq_len + len(e) for r, e in zip(reqs, extra)], dtype=torch.long)
+    # sampling runs where the logits are; only the chosen ids come back to the host
+    batch = SamplingBatch.from_params([r.sampling_params for r in reqs], vocab_size, logits.device)
+    positions = torch.tensor(
+        [r.seq_len + len(e) for r, e in zip(reqs, extra)], dtype=torch.long, device=logits.device
+    )
     return sample(logits, batch, positions, generator).tolist()
 
 
@@ -259,7 +263,9 @@ def attach_prompt_logprobs(
                     lists.append(None)
         if wanted:
             lp = log_softmax_rows(logits[[i for _, i in wanted]])
-            targets = torch.tensor([req.prompt_ids[pos + 1] for pos, _ in wanted]).unsqueeze(1)
+            targets = torch.tensor(
+                [req.prompt_ids[pos + 1] for pos, _ in wanted], device=lp.device
+            ).unsqueeze(1)
             entries += [
                 (pos + 1, v)
                 for (pos, _), v in zip(wanted, lp.gather(1, targets).squeeze(1).tolist())

@@ -63,7 +63,7 @@ def verify_sampling(
     p_draft = probs[:, :steps].gather(-1, drafts.unsqueeze(-1)).squeeze(-1)
     u = uniforms(sampling, positions + _ACCEPT_STREAM, steps, generator)
     num = (u <= p_draft).long().cumprod(dim=1).sum(dim=1)
-    final_probs = probs[torch.arange(bs), num]
+    final_probs = probs[torch.arange(bs, device=probs.device), num]
     rejected = num < steps
     if rejected.any():
         rejected_token = drafts.gather(1, num.clamp(max=steps - 1).unsqueeze(1))

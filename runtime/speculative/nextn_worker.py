@@ -240,9 +240,15 @@ class NextNWorker:
         of that row (`verify_bitmask`), so every accepted token is one the grammar allows."""
         adjusted = penalised_verify_logits(logits, reqs, drafts, self.eos_ids)
         logits = grammar_bitmask.apply(adjusted, bitmask, unadjusted=logits)
-        sampling = SamplingBatch.from_params([r.sampling_params for r in reqs], self.vocab_size)
-        first_positions = torch.tensor([r.num_cached for r in reqs])
-        return verify(logits, drafts, sampling, first_positions, self.generator)
+        # acceptance runs where the logits are; its small result comes back to the host,
+        # where the round's bookkeeping (drafts, the draft's next batch) lives
+        device = logits.device
+        sampling = SamplingBatch.from_params(
+            [r.sampling_params for r in reqs], self.vocab_size, device
+        )
+        first_positions = torch.tensor([r.num_cached for r in reqs], device=device)
+        result = verify(logits, drafts.to(device), sampling, first_positions, self.generator)
+        return VerifyResult(result.num_accepted.cpu(), result.final_tokens.cpu())
 
     def _commit(self, reqs: Sequence[Req], result: VerifyResult) -> None:
         """Recurrent caches keep the state after the last accepted row; positional caches
