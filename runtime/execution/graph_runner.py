@@ -19,7 +19,9 @@ is kept per step kind and batch bucket (SGLang's `CudaGraphRunner` / `CPUGraphRu
 4. logits and hidden states are sliced back to the live rows.
 
 A bucket is compiled the first time a step needs it: on a worker thread while the step
-runs eagerly (`CaptureConfig.background`), or in the calling thread. Each (kind, bucket)
+runs eagerly (`CaptureConfig.background`, CPU), or in the calling thread (always for CUDA
+graphs, which record in seconds, and cannot record beside another thread's synchronising
+calls; they share one memory pool). Each (kind, bucket)
 gets a code object of its own, so its dynamo cache holds exactly one graph and the guards
 need not be evaluated on every call. Compiled artifacts persist in inductor's FX graph and
 AOT autograd caches under the runtime cache directory, so a second start only re-traces.
@@ -127,6 +129,7 @@ class GraphRunner:
         self._steps: dict[StepKey, CapturedStep] = {}
         self._lock = threading.Lock()
         self._queue: queue.Queue[CapturedStep] | None = None
+        self._graph_pool = None  # CUDA: the memory pool the graphs share
         # False once start-up compiled every step a batch can meet: a step met later (a kind
         # the warm-up did not run) pads into a larger ready bucket or runs eagerly rather
         # than stalling the serving thread on a compile
@@ -363,8 +366,9 @@ class GraphRunner:
         fn = fresh_function(body, name)
         if self.cuda and not self.config.torch_compile:
             return fn
-        mode = "max-autotune-no-cudagraphs" if self.cuda else None
-        return torch.compile(fn, dynamic=False, mode=mode, options=self._options() or None)
+        # inductor's default mode on CUDA too: the gain is fusing the step's thousands of
+        # small kernels, and max-autotune's GEMM search costs minutes per bucket
+        return torch.compile(fn, dynamic=False, options=self._options() or None)
 
     def _options(self) -> dict:
         """Inductor options: the config's, over the CPU defaults (`CPU_INDUCTOR_OPTIONS`)."""
@@ -378,7 +382,9 @@ class GraphRunner:
         hyper_connection.COMPILE_HC_PRE_ONCE = not self._options().get("cpp_wrapper")
 
     def _schedule(self, step: CapturedStep) -> None:
-        if not self.config.background:
+        # a CUDA graph records in seconds, and while one records, another thread's
+        # synchronising calls (the serving thread's eager steps) would fail: record inline
+        if not self.config.background or self.cuda:
             self._compile(step)
             return
         with self._lock:
@@ -475,7 +481,11 @@ class GraphRunner:
                 step.fn(*args)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        if self._graph_pool is None:
+            self._graph_pool = torch.cuda.graph_pool_handle()
+        # one memory pool for every graph (as SGLang's runner does): replays run one at a
+        # time and `_run` copies a replay's outputs before the next one can overwrite them
+        with torch.cuda.graph(graph, pool=self._graph_pool):
             outputs = step.fn(*args)
         step.graph = (graph, batch, outputs)
 
@@ -494,8 +504,8 @@ class GraphRunner:
             backend = "torch.compile + CUDA graphs"
         when = (
             "compiled on first use in the background"
-            if self.config.background
-            else ("compiled on first use")
+            if self.config.background and not self.cuda
+            else "compiled on first use"
         )
         return f"captured steps: {backend}, buckets {list(self.buckets)}, {when}"
 
