@@ -32,7 +32,7 @@ def new_parser(prog: str, doc: str) -> argparse.ArgumentParser:
 
 
 def add_model_args(parser: argparse.ArgumentParser, steps_sweep: bool = True) -> None:
-    """--model-path, --dtype, the speculative flags, --compare, --max-running-requests,
+    """--model-path, --dtype, --device, the speculative flags, --compare, --max-running-requests,
     --threads, --seed, --disable-tqdm."""
     g = parser.add_argument_group("model and decoding")
     g.add_argument(
@@ -43,6 +43,11 @@ def add_model_args(parser: argparse.ArgumentParser, steps_sweep: bool = True) ->
     )
     g.add_argument(
         "--dtype", default=ENGINE_DEFAULTS["dtype"], help="auto, float32, bfloat16 or float16"
+    )
+    g.add_argument(
+        "--device",
+        default=ENGINE_DEFAULTS["device"],
+        help="torch device of our engine and the HF baseline (cpu, cuda, cuda:1, ...)",
     )
     g.add_argument("--speculative-algorithm", default=None, help="NEXTN (aliases MTP, EAGLE)")
     g.add_argument(
@@ -120,6 +125,7 @@ CAPTURE_FLAGS = (
     "cuda_graph_max_bs",
     "capture_compile",
     "disable_narrow_weights",
+    "enable_torch_compile",
 )
 
 

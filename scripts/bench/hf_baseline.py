@@ -31,8 +31,9 @@ class TokenClock:
         pass
 
 
-def load_hf_model(model_path: str, torch_dtype, quiet: bool = False):
-    """transformers' own implementation of the checkpoint, in `torch_dtype`, eval mode."""
+def load_hf_model(model_path: str, torch_dtype, quiet: bool = False, device: str = "cpu"):
+    """transformers' own implementation of the checkpoint, in `torch_dtype` on `device`,
+    eval mode."""
     import transformers
     from transformers import AutoModelForCausalLM
 
@@ -40,14 +41,14 @@ def load_hf_model(model_path: str, torch_dtype, quiet: bool = False):
     if quiet:
         transformers.utils.logging.disable_progress_bar()
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype)
-    return model.eval()
+    return model.to(device).eval()
 
 
 def load_for(args, model_path: str):
     """The HF model in the dtype our engine runs `args.dtype` as."""
-    return load_hf_model(
-        model_path, resolve_torch_dtype(model_path, args.dtype), quiet=args.disable_tqdm
-    )
+    device = getattr(args, "device", "cpu")
+    dtype = resolve_torch_dtype(model_path, args.dtype, device)
+    return load_hf_model(model_path, dtype, quiet=args.disable_tqdm, device=device)
 
 
 def hf_generate(model, input_ids, attention_mask, new_tokens: int):
@@ -60,8 +61,8 @@ def hf_generate(model, input_ids, attention_mask, new_tokens: int):
     start = time.perf_counter()
     with torch.inference_mode():
         out = model.generate(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
+            input_ids=input_ids.to(model.device),
+            attention_mask=attention_mask.to(model.device),
             do_sample=False,
             max_new_tokens=new_tokens,
             min_new_tokens=new_tokens,

@@ -44,6 +44,8 @@ class LaunchedServer:
             str(self.port),
             "--dtype",
             args.dtype,
+            "--device",
+            args.device,
             "--log-level",
             "warning",
             "--max-running-requests",

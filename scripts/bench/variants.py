@@ -108,11 +108,12 @@ def resolve_model_path(model_path: str | None) -> str:
     return model_path or default_model_path()
 
 
-def resolve_torch_dtype(model_path: str, dtype: str):
-    """The torch dtype `Engine(dtype=...)` will run in, so the HF baseline can use the same."""
+def resolve_torch_dtype(model_path: str, dtype: str, device: str = "cpu"):
+    """The torch dtype `Engine(dtype=..., device=...)` will run in, so the HF baseline can
+    use the same."""
     from runtime.configs.model_config import ModelConfig
 
-    return ModelConfig.from_path(model_path, dtype).dtype
+    return ModelConfig.from_path(model_path, dtype, device=device).dtype
 
 
 def make_engine(args: argparse.Namespace, variant: Variant, **overrides):
@@ -122,6 +123,7 @@ def make_engine(args: argparse.Namespace, variant: Variant, **overrides):
     kwargs = {
         "model_path": args.model_path,
         "dtype": args.dtype,
+        "device": args.device,
         "max_running_requests": args.max_running_requests,
         "random_seed": args.seed,
         **capture_overrides(args),
