@@ -474,27 +474,30 @@ class GraphRunner:
         `batch`'s tensors (later batches are copied into them)."""
         ctx, ids, hidden = batch
         args = (ctx, ids, hidden, step.key.spec_step_idx)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                step.fn(*args)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        if self._graph_pool is None:
-            self._graph_pool = torch.cuda.graph_pool_handle()
-        # one memory pool for every graph (as SGLang's runner does): replays run one at a
-        # time and `_run` copies a replay's outputs before the next one can overwrite them
-        with torch.cuda.graph(graph, pool=self._graph_pool):
-            outputs = step.fn(*args)
+        # streams and the capture belong to the model's GPU, whichever is the thread's current
+        with torch.cuda.device(self.device):
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(2):
+                    step.fn(*args)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            if self._graph_pool is None:
+                self._graph_pool = torch.cuda.graph_pool_handle()
+            # one memory pool for every graph (as SGLang's runner does): replays run one at a
+            # time and `_run` copies a replay's outputs before the next one can overwrite them
+            with torch.cuda.graph(graph, pool=self._graph_pool):
+                outputs = step.fn(*args)
         step.graph = (graph, batch, outputs)
 
     def _replay_cuda_graph(self, step: CapturedStep, batch):
         graph, static, outputs = step.graph
-        for dst, src in zip(tensors_of(static), tensors_of(batch), strict=True):
-            if dst.data_ptr() != src.data_ptr():  # the shared caches are the same tensors
-                dst.copy_(src)
-        graph.replay()
+        with torch.cuda.device(self.device):  # copies and launch on the model's GPU's stream
+            for dst, src in zip(tensors_of(static), tensors_of(batch), strict=True):
+                if dst.data_ptr() != src.data_ptr():  # the shared caches are the same tensors
+                    dst.copy_(src)
+            graph.replay()
         return outputs
 
     # --- reporting -----------------------------------------------------------------------
