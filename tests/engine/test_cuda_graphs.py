@@ -17,9 +17,9 @@ import torch
 
 from runtime import Engine
 from runtime.configs.capture import DISABLE_ENV
+from tests.engine.conftest import FAMILIES, build_mtp_checkpoint
 from tests.engine.test_captured_steps import GREEDY, prompts_of, staggered_generate
 from tests.engine.test_engine import hf_greedy
-from tests.tiny_checkpoints import build_tiny_qwen4_exp_mtp_checkpoint, build_tiny_v4_mtp_checkpoint
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -27,14 +27,10 @@ BUCKETS = [1, 4]  # 2 and 3 live requests pad into 4
 NEXTN = {"speculative_algorithm": "NEXTN", "speculative_num_steps": 3}
 
 
-@pytest.fixture(scope="module", params=["deepseek_v4", "qwen4_exp"])
+@pytest.fixture(scope="module", params=FAMILIES)
 def family_checkpoint(request, tmp_path_factory):
-    build = (
-        build_tiny_v4_mtp_checkpoint
-        if request.param == "deepseek_v4"
-        else build_tiny_qwen4_exp_mtp_checkpoint
-    )
-    return build(tmp_path_factory.mktemp(f"cuda_{request.param}"), seed=7)[:2]
+    """(path, transformers target) of each family's tiny MTP checkpoint."""
+    return build_mtp_checkpoint(request.param, tmp_path_factory.mktemp(f"cuda_{request.param}"))[:2]
 
 
 @pytest.fixture
