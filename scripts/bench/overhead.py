@@ -58,6 +58,39 @@ class ForwardTimer:
             self.runner.__dict__.pop(name, None)  # the class methods show through again
 
 
+class CompiledCodeTimer:
+    """Sums the wall time inside inductor's compiled code (`CompiledFxGraph.__call__`, the
+    generated kernels of a captured step on CPU) while installed, so that a captured call's
+    time splits into the compiled code and the dynamo / AOT autograd wrappers around it.
+    A torch internal: when it is missing (another release, CUDA graphs) nothing is timed."""
+
+    def __init__(self):
+        self.seconds, self.calls, self._cls, self._orig = 0.0, 0, None, None
+        try:
+            from torch._inductor.output_code import CompiledFxGraph
+        except ImportError:
+            return
+        self._cls, self._orig = CompiledFxGraph, CompiledFxGraph.__call__
+        orig = self._orig
+
+        def call(graph, inputs):
+            start = time.perf_counter()
+            try:
+                return orig(graph, inputs)
+            finally:
+                self.seconds += time.perf_counter() - start
+                self.calls += 1
+
+        CompiledFxGraph.__call__ = call
+
+    def reset(self) -> None:
+        self.seconds, self.calls = 0.0, 0
+
+    def remove(self) -> None:
+        if self._cls is not None:
+            self._cls.__call__ = self._orig
+
+
 def profile_overhead(engine, variant: Variant, args) -> dict:
     """Batch 1: decode wall time vs time inside the target (and draft) forwards, then a
     cProfile of a second decode loop (separate, so profiling cost does not skew the share)."""
@@ -68,12 +101,14 @@ def profile_overhead(engine, variant: Variant, args) -> dict:
     timers = {"target": ForwardTimer(engine.runner)}
     if variant.spec:
         timers["draft"] = ForwardTimer(engine.worker.drafter.runner)
+    compiled = CompiledCodeTimer()
     try:
         reqs = [engine.make_request(prompts[0], greedy_params(output_len))]
         engine.add_request(reqs[0])
         engine.step()  # prefill, not part of the decode share
         for t in timers.values():
             t.reset()
+        compiled.reset()
         start = time.perf_counter()
         steps = 0
         while engine.has_work():
@@ -83,6 +118,7 @@ def profile_overhead(engine, variant: Variant, args) -> dict:
     finally:
         for t in timers.values():
             t.remove()
+        compiled.remove()
     inside = sum(t.forward_s for t in timers.values())
     context = sum(t.context_s for t in timers.values())
     report = {
@@ -97,6 +133,8 @@ def profile_overhead(engine, variant: Variant, args) -> dict:
         "forward_share": {k: t.forward_s / wall for k, t in timers.items()},
         "context_build_share": context / wall,
         "engine_overhead_share": (wall - inside) / wall,
+        "compiled_code_share": compiled.seconds / wall,
+        "compiled_calls_per_step": compiled.calls / max(steps, 1),
     }
     print("\n" + block_header(f"Engine overhead [{variant.label}]"))
     print(
@@ -106,6 +144,13 @@ def profile_overhead(engine, variant: Variant, args) -> dict:
     for name, share in report["forward_share"].items():
         print(f"{name} runner forward: {share * 100:.1f}% of decode wall time")
     print(f"  (ForwardContext.build inside those forwards: {context / wall * 100:.1f}%)")
+    if compiled.calls:
+        print(
+            f"  (inductor's compiled code: {compiled.seconds / wall * 100:.1f}% over "
+            f"{compiled.calls / max(steps, 1):.1f} calls per step, "
+            f"{compiled.seconds / compiled.calls * 1000:.2f} ms per call; the rest of a "
+            "captured call is the metadata, dynamo's and AOT autograd's wrappers)"
+        )
     print(
         f"engine overhead: {report['engine_overhead_share'] * 100:.1f}% of decode wall time "
         "(scheduling, sampling, bookkeeping, detokenizing)"

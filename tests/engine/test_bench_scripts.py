@@ -11,6 +11,7 @@ import json
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -142,6 +143,7 @@ def test_one_batch_compare_profile_plot(ckpt, tmp_path, capsys):
         total = report["engine_overhead_share"] + sum(report["forward_share"].values())
         assert 0.0 < report["engine_overhead_share"] < 1.0 and close(total, 1.0, abs_=1e-9)
     assert set(out["overhead"][1]["forward_share"]) == {"target", "draft"}
+    assert all(r["compiled_code_share"] == 0.0 for r in out["overhead"])  # eager engines
     assert "ncalls" in text and "cumtime" in text
     records = read_jsonl(jsonl)
     assert len(records) == 6 and sum(r.get("kind") == "overhead" for r in records) == 2
@@ -703,3 +705,28 @@ def test_one_batch_repeats_take_turns_and_report_the_median_run(ckpt, monkeypatc
         throughputs = sorted(r["decode_throughput"] for r in mine)
         assert len(mine) == 3 and any(row is r for r in mine)
         assert row["decode_throughput"] == throughputs[1]
+
+
+def test_compiled_code_timer_times_inductor_calls_and_comes_off():
+    """`--profile-overhead` splits a captured call into inductor's compiled code and the
+    wrappers around it: the timer counts each compiled call, its time fits inside the
+    calls' wall time, and removing it restores inductor's own method."""
+    from torch._inductor.output_code import CompiledFxGraph
+
+    from scripts.bench.overhead import CompiledCodeTimer
+
+    original = CompiledFxGraph.__call__
+    fn = torch.compile(lambda x: (x.sin() * 2).cos().sum(), dynamic=False)
+    x = torch.randn(64)
+    expected = (x.sin() * 2).cos().sum()
+    fn(x)  # compile outside the timer
+    timer = CompiledCodeTimer()
+    try:
+        start = time.perf_counter()
+        for _ in range(3):
+            assert torch.allclose(fn(x), expected)
+        wall = time.perf_counter() - start
+        assert timer.calls == 3 and 0.0 < timer.seconds <= wall
+    finally:
+        timer.remove()
+    assert CompiledFxGraph.__call__ is original
