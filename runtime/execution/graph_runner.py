@@ -136,6 +136,12 @@ class GraphRunner:
         self.compiles_on_demand = True
         if not self.cuda:
             configure_compiler(config)
+        elif config.torch_compile and config.background:
+            logger.warning(
+                "--enable-torch-compile on CUDA: each step compiles (about a minute) in the "
+                "serving thread the first time a batch needs it; --capture-compile startup "
+                "compiles them all before serving"
+            )
 
     # --- which steps ---------------------------------------------------------------------
     @property
@@ -505,11 +511,11 @@ class GraphRunner:
         backend = "CUDA graphs" if self.cuda else "torch.compile (inductor)"
         if self.cuda and self.config.torch_compile:
             backend = "torch.compile + CUDA graphs"
-        when = (
-            "compiled on first use in the background"
-            if self.config.background and not self.cuda
-            else "compiled on first use"
-        )
+        when = "compiled on first use"
+        if self.config.background and not self.cuda:
+            when = "compiled on first use in the background"
+        elif self.cuda:  # recorded on the serving thread
+            when = "recorded on first use"
         return f"captured steps: {backend}, buckets {list(self.buckets)}, {when}"
 
     def compiled_steps(self) -> list[tuple[str, str, float]]:

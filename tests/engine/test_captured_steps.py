@@ -433,6 +433,30 @@ def test_captured_engines_equal_eager_plain(family, request, monkeypatch, tmp_pa
             assert "decode bs 4" in target_steps, target_steps
 
 
+def test_cuda_runner_records_inline_and_warns_about_compiling_on_first_use(caplog):
+    """On a CUDA device a bucket is recorded in the calling thread even in the background
+    mode (recording beside the serving thread's synchronising calls would fail them), and
+    `--enable-torch-compile` without `startup` warns that each step then compiles on first
+    use. Nothing here touches a GPU: the runner is only constructed and asked."""
+    pool = SimpleNamespace(pad_req=0, max_context_len=64)
+    runner = SimpleNamespace(device="cuda", slot_table=SimpleNamespace(req_pool=pool), kv_pool=None)
+    plain = GraphRunner(runner, CaptureConfig(batch_sizes=(1, 4)), 4)
+    assert plain.cuda and "CUDA graphs" in plain.describe()
+    assert "recorded on first use" in plain.describe()
+    recorded = []
+    plain._compile = recorded.append  # what `_schedule` does with a pending step
+    plain._schedule("step")
+    assert recorded == ["step"] and plain._queue is None  # no worker thread
+    with caplog.at_level("WARNING", logger="runtime.execution.graph_runner"):
+        compiled = GraphRunner(runner, CaptureConfig(batch_sizes=(1,), torch_compile=True), 4)
+    assert "torch.compile + CUDA graphs" in compiled.describe()
+    assert any("--capture-compile startup" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="runtime.execution.graph_runner"):
+        GraphRunner(runner, CaptureConfig(torch_compile=True, background=False), 4)
+    assert not caplog.records
+
+
 def test_compile_buckets_repeats_every_seen_step_at_each_bucket(tiny_v4, monkeypatch):
     """A benchmark's warm-up meets each step kind at one batch size; `compile_buckets` then
     compiles those kinds at every requested bucket the runner has (the compile itself is
