@@ -168,14 +168,6 @@ class EngineConfig:
             return "--disable-cuda-graph"
         if CaptureConfig.disabled_by_env():
             return f"${DISABLE_ENV} is set"
-        world = self.parallel_layout().world_size
-        if world > 1:
-            # A bucket is captured by running its step on padding rows on one rank (in the
-            # background on CPU) while its collectives need every rank inside the same graph.
-            return (
-                f"a replica of {world} ranks (--tp-size / --ep-size) runs its steps eagerly: "
-                "captured steps are not coordinated across ranks yet"
-            )
         return None
 
     def capture_config(self) -> CaptureConfig:
@@ -184,7 +176,11 @@ class EngineConfig:
             batch_sizes=tuple(self.cuda_graph_bs or ()),
             max_batch_size=self.cuda_graph_max_bs,
             torch_compile=self.enable_torch_compile,
-            background=self.capture_compile == "background",
+            # the ranks of a replica compile each step in lockstep (the compile runs it, and
+            # its collectives, on every rank): in the serving thread, when a batch needs it
+            background=(
+                self.capture_compile == "background" and self.parallel_layout().world_size == 1
+            ),
             narrow_weights=not self.disable_narrow_weights,
         )
 

@@ -61,7 +61,15 @@ class Engine:
         self.leader = ReplicaLeader(config) if multi_rank else None
         try:
             self._build(config, progress)
-            if config.capture_compile == "startup":
+            if config.capture_compile == "startup" and multi_rank:
+                # start-up compiles each bucket on rank 0 alone, outside any forward the
+                # other ranks follow; a replica's ranks compile a step together when a
+                # batch first needs it
+                logger.warning(
+                    "--capture-compile startup: a replica's ranks compile each captured "
+                    "step together the first time a batch needs it instead"
+                )
+            elif config.capture_compile == "startup":
                 compile_at_startup(self, progress=progress)
         except BaseException:
             if self.leader is not None:

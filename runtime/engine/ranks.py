@@ -322,6 +322,7 @@ def follower_main(
             replica.mapping,
             device,
             snapshot_slots=setup.snapshot_slots,
+            capture=config.capture_config(),  # compiled in lockstep with rank 0
         )
         mine = memory_report(rank, runners.values())
         logger.info("%s", mine.describe())

@@ -6,7 +6,6 @@ draft sees the same hidden states on both ranks), and seeded sampling draw for d
 from __future__ import annotations
 
 import json
-import logging
 
 import pytest
 
@@ -103,32 +102,36 @@ def test_prefix_cache_resumes_on_every_rank(tmp_path):
     assert tp2[0] == two_turns(path, disable_radix_cache=True)[0]
 
 
-def test_a_replica_asked_to_capture_runs_eagerly_and_says_why(tmp_path, monkeypatch, caplog):
-    """Captured steps are not coordinated across ranks: a multi-rank replica with capture
-    left on (the default) runs its steps eagerly, logs why, and serves as one rank does."""
+@pytest.mark.slow
+def test_a_replica_captures_its_steps_in_lockstep(tmp_path, monkeypatch, capfd):
+    """A tp-2 / ep-2 replica with capture on (the default; bucket 4): both ranks compile each step
+    kind together the first time a batch needs it (the collectives inside the compiled
+    graphs are functional ones) and replay it, rank 1 included (it logs no failed capture);
+    greedy NEXTN and plain output equal the one-rank eager engine's while the batch shrinks
+    from 3 requests to 1 (padded into 4)."""
     monkeypatch.delenv(DISABLE_ENV, raising=False)
     path = build_tiny_v4_mtp_checkpoint(tmp_path, seed=4)[0]
     common = dict(
         model_path=str(path),
         dtype="float32",
-        speculative_algorithm="NEXTN",
         skip_tokenizer_init=True,
         max_total_tokens=2048,
         max_running_requests=4,
     )
-    params = {**GREEDY, "max_new_tokens": 12}
-    with caplog.at_level(logging.WARNING, logger="runtime.engine.engine"):
-        engine = Engine(**common, tp_size=2)
-    try:
-        assert engine.runner.graph_runner is None
-        assert engine.worker.drafter.runner.graph_runner is None
-        ids = [r["output_ids"] for r in engine.generate(input_ids=PROMPTS, sampling_params=params)]
-    finally:
-        engine.shutdown()
-    assert "captured steps off: a replica of 2 ranks" in caplog.text
-    one_rank = Engine(**common, disable_cuda_graph=True)
-    reference = one_rank.generate(input_ids=PROMPTS, sampling_params=params)
-    assert ids == [r["output_ids"] for r in reference]
+    params = [{**GREEDY, "max_new_tokens": n} for n in (12, 6, 9)]
+    for spec in ({}, {"speculative_algorithm": "NEXTN"}):
+        engine = Engine(**common, **spec, tp_size=2, ep_size=2, cuda_graph_bs=[4])
+        try:
+            got = engine.generate(input_ids=PROMPTS, sampling_params=params)
+            runners = [engine.runner] + ([engine.worker.drafter.runner] if spec else [])
+            states = [s for r in runners for s in r.graph_runner.compiled_steps()]
+        finally:
+            engine.shutdown()
+        assert states and all(state == "ready" for _, state, _ in states), states
+        one_rank = Engine(**common, **spec, disable_cuda_graph=True)
+        reference = one_rank.generate(input_ids=PROMPTS, sampling_params=params)
+        assert [r["output_ids"] for r in got] == [r["output_ids"] for r in reference], spec
+    assert "failed, it runs eagerly" not in capfd.readouterr().err  # rank 1 captured too
 
 
 def test_catching_up_after_speculation_off_matches_one_rank(tmp_path):

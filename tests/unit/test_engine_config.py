@@ -123,8 +123,9 @@ def test_a_script_can_take_a_subset_of_the_flags():
 
 def test_capture_flags_and_why_steps_run_eagerly(monkeypatch):
     """Captured steps are on by default (SGLang's --disable-cuda-graph turns them off), the
-    bucket flags reach the CaptureConfig, and a multi-rank replica runs eagerly with the
-    reason given instead of capturing steps its ranks would not run together."""
+    bucket flags reach the CaptureConfig, and a multi-rank replica captures too, compiling
+    in the serving thread (its ranks compile each step together) even when asked for the
+    background."""
     monkeypatch.delenv(DISABLE_ENV, raising=False)
     config = EngineConfig(cuda_graph_bs=[1, 4], capture_compile="inline").resolve()
     assert config.capture_off_reason() is None
@@ -133,10 +134,11 @@ def test_capture_flags_and_why_steps_run_eagerly(monkeypatch):
     assert EngineConfig(cuda_graph_max_bs=6).capture_config().buckets(64) == (1, 2, 4, 6)
     off = EngineConfig(disable_cuda_graph=True)
     assert not off.capture_config().enabled and off.capture_off_reason() == "--disable-cuda-graph"
+    assert EngineConfig().resolve().capture_config().background  # the default mode
     for parallel in ({"tp_size": 2}, {"ep_size": 2}, {"tp_size": 2, "ep_size": 2}):
         replica = EngineConfig(**parallel).resolve()
-        assert not replica.capture_config().enabled
-        assert "a replica of 2 ranks" in replica.capture_off_reason()
+        assert replica.capture_off_reason() is None
+        assert replica.capture_config().enabled and not replica.capture_config().background
     monkeypatch.setenv(DISABLE_ENV, "1")
     assert not config.capture_config().enabled and DISABLE_ENV in config.capture_off_reason()
 
