@@ -16,6 +16,8 @@ heartbeats (`runtime.distributed.health`). Groups:
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -34,6 +36,8 @@ logger = logging.getLogger(__name__)
 
 # The control group waits for rank 0's next message while the server is idle.
 _CONTROL_TIMEOUT = timedelta(days=365)
+# This process's data-plane groups and their configured timeouts (`patient_collectives`).
+_DATA_GROUPS: list[tuple[Any, timedelta]] = []
 
 
 @dataclass
@@ -98,6 +102,8 @@ def init_replica(
     ep = _mine(layout.ep_groups(), rank, backend, timeout)
     moe_tp = _mine(layout.moe_tp_groups(), rank, backend, timeout)
     everyone = ParallelGroup(rank, world, dist.group.WORLD if world > 1 else None)
+    handles = {id(g.group): g.group for g in (tp, ep, moe_tp, everyone) if g.group is not None}
+    _DATA_GROUPS[:] = [(g, timeout) for g in handles.values()]
     mapping = Mapping(
         attn=AttentionMapping(tp),
         moe=MoEMapping(ep=ep, tp=moe_tp, combine=everyone),
@@ -120,6 +126,27 @@ def init_replica(
     return Replica(rank, layout, mapping, control, store, (host, port), backend)
 
 
+@contextmanager
+def patient_collectives() -> Iterator[None]:
+    """Collectives on this rank's data-plane groups wait as long as the control group's for
+    the duration: every rank compiles the same captured step at the same forward, then runs
+    it (collectives included), and one rank may finish compiling minutes before another,
+    longer than `--dist-timeout`, which otherwise bounds a collective's wait. Outside a
+    replica (or on a torch without the setter) nothing changes."""
+    from torch.distributed import distributed_c10d
+
+    setter = getattr(distributed_c10d, "_set_pg_timeout", None)
+    groups = list(_DATA_GROUPS) if setter is not None and dist.is_initialized() else []
+    for group, _ in groups:
+        setter(_CONTROL_TIMEOUT, group)
+    try:
+        yield
+    finally:
+        for group, timeout in groups:
+            setter(timeout, group)
+
+
 def destroy_replica() -> None:
+    _DATA_GROUPS.clear()
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -46,6 +46,7 @@ from runtime.configs.capture import CaptureConfig
 from runtime.core.forward_context import ForwardContext
 from runtime.core.forward_mode import CaptureHiddenMode, ForwardMode
 from runtime.core.model_output import LogitsProcessorOutput
+from runtime.distributed.replica import patient_collectives
 from runtime.layers import hyper_connection
 
 logger = logging.getLogger(__name__)
@@ -412,7 +413,8 @@ class GraphRunner:
         step.state = StepState.COMPILING
         start = time.perf_counter()
         try:
-            with torch.inference_mode(), _compile_lock:
+            # on a replica every rank compiles this step now and then runs it together
+            with torch.inference_mode(), _compile_lock, patient_collectives():
                 self.configure_regions()
                 inp = self._padding_input(step)
                 if step.key.draft_steps:

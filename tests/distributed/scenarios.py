@@ -111,3 +111,37 @@ def nextn_forward_logits(mapping: Mapping | None, path: str) -> dict[str, torch.
 
 def nextn_forward_logits_on_rank(replica, paths: list[str]) -> list[dict[str, torch.Tensor]]:
     return [nextn_forward_logits(replica.mapping, path) for path in paths]
+
+
+def skewed_all_reduce_on_rank(replica, skew_s: float, configured_s: float) -> dict:
+    """Rank 1 reaches an all-reduce `skew_s` after rank 0, whose data groups time out after
+    `configured_s`: inside `patient_collectives` (a captured step compiling on every rank)
+    rank 0 waits; after it, the configured timeout applies again."""
+    import time
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    from runtime.distributed import all_reduce
+    from runtime.distributed import replica as replica_module
+
+    configured = timedelta(seconds=configured_s)
+    replica_module._DATA_GROUPS[:] = [(g, configured) for g, _ in replica_module._DATA_GROUPS]
+    for group, _ in replica_module._DATA_GROUPS:
+        distributed_c10d._set_pg_timeout(configured, group)
+    group = replica.mapping.attn.tp
+    with replica_module.patient_collectives():
+        if replica.rank == 1:
+            time.sleep(skew_s)
+        patient = all_reduce(torch.ones(2), group).tolist()
+    timed_out = None
+    if replica.rank == 0:  # rank 1 never joins this one: the configured timeout is back
+        try:
+            dist.all_reduce(torch.ones(2), group=group.group)
+            timed_out = False
+        except RuntimeError:
+            timed_out = True
+    else:
+        time.sleep(configured_s * 3)  # stay up until rank 0 has given up
+    return {"patient": patient, "timed_out": timed_out}

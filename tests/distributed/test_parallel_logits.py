@@ -12,7 +12,11 @@ import torch
 
 from runtime.configs.parallel import ParallelLayout
 from tests.distributed.harness import run_ranks
-from tests.distributed.scenarios import nextn_forward_logits, nextn_forward_logits_on_rank
+from tests.distributed.scenarios import (
+    nextn_forward_logits,
+    nextn_forward_logits_on_rank,
+    skewed_all_reduce_on_rank,
+)
 from tests.tiny_checkpoints import build_tiny_qwen4_exp_mtp_checkpoint, build_tiny_v4_mtp_checkpoint
 
 # fp32 sums in another order: observed <= 4e-6 on logits of magnitude ~3
@@ -51,3 +55,11 @@ def test_tp2_equals_one_rank(checkpoints):
 def test_ep2_equals_one_rank(checkpoints):
     """Attention replicated on both ranks, routed experts in two blocks."""
     check_layout(checkpoints, 1, 2)
+
+
+def test_collectives_wait_for_a_rank_still_compiling():
+    """`patient_collectives`: while the ranks of a replica compile a captured step (one may
+    finish long before the other), collectives outlast `--dist-timeout`; after it, the
+    configured timeout bounds a collective again."""
+    got = run_ranks(ParallelLayout(2, 1), skewed_all_reduce_on_rank, 3.0, 1.0)
+    assert got == {"patient": [2.0, 2.0], "timed_out": True}
