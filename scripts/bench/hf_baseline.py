@@ -46,9 +46,8 @@ def load_hf_model(model_path: str, torch_dtype, quiet: bool = False, device: str
 
 def load_for(args, model_path: str):
     """The HF model in the dtype our engine runs `args.dtype` as."""
-    device = getattr(args, "device", "cpu")
-    dtype = resolve_torch_dtype(model_path, args.dtype, device)
-    return load_hf_model(model_path, dtype, quiet=args.disable_tqdm, device=device)
+    dtype = resolve_torch_dtype(model_path, args.dtype, args.device)
+    return load_hf_model(model_path, dtype, quiet=args.disable_tqdm, device=args.device)
 
 
 def hf_generate(model, input_ids, attention_mask, new_tokens: int):

@@ -146,8 +146,8 @@ def profile_overhead(engine, variant: Variant, args) -> dict:
     print(f"  (ForwardContext.build inside those forwards: {context / wall * 100:.1f}%)")
     if compiled.calls:
         print(
-            f"  (inductor's compiled code: {compiled.seconds / wall * 100:.1f}% over "
-            f"{compiled.calls / max(steps, 1):.1f} calls per step, "
+            f"  (inductor's compiled code: {report['compiled_code_share'] * 100:.1f}% over "
+            f"{report['compiled_calls_per_step']:.1f} calls per step, "
             f"{compiled.seconds / compiled.calls * 1000:.2f} ms per call; the rest of a "
             "captured call is the metadata, dynamo's and AOT autograd's wrappers)"
         )
