@@ -108,7 +108,10 @@ class DeepseekV4UniformMetadata:
 
 
 def entries_needed(ctx: ForwardContext, ratio: int) -> int:
-    """Entries of the longest request at the end of the forward (at least one)."""
+    """Entries of the longest request at the end of the forward (at least one; one for a
+    context built inside a captured step, whose entry count comes from its caller)."""
+    if ctx.prefix_lens_cpu is None:
+        return 1
     return max(1, max(ctx.seq_lens_cpu, default=0) // ratio)
 
 

@@ -31,7 +31,13 @@ from dataclasses import dataclass
 
 import torch
 
-from runtime.cache.deepseek_v4_metadata import EntryCount, compressor_overlap, prepare_metadata
+from runtime.cache.deepseek_v4_metadata import (
+    DeepseekV4UniformMetadata,
+    EntryCount,
+    compressor_overlap,
+    prepare_metadata,
+    uniform_metadata_torch,
+)
 from runtime.cache.pool_geometry import PoolGeometry
 from runtime.cache.state_snapshots import RequestStateSnapshots
 from runtime.core.forward_context import ForwardContext
@@ -87,6 +93,14 @@ class DeepseekV4KVPool(RequestStateSnapshots):
         """The addressing every layer of this forward reads (`deepseek_v4_metadata`);
         `entries(ratio, needed)` pads the compressed entry count of a uniform batch."""
         return prepare_metadata(ctx, self, entries)
+
+    def prepare_in_step(
+        self, ctx: ForwardContext, like: DeepseekV4UniformMetadata
+    ) -> DeepseekV4UniformMetadata:
+        """The uniform addressing of `ctx`, built inside a captured step from its tensors
+        (positions computed in the step; torch ops only), laid out with the entry counts of
+        `like`, metadata the same step received (whose counts cover `ctx`'s positions)."""
+        return uniform_metadata_torch(ctx, self, lambda ratio, _: like.compress[ratio].num_entries)
 
     # geometry -----------------------------------------------------------------------------
     @property

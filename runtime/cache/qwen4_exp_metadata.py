@@ -98,7 +98,11 @@ class Qwen4ExpUniformMetadata:
 
 
 def blocks_needed(ctx: ForwardContext, ratio: int) -> int:
-    """Blocks (a partial last one included) of the longest request at the end of the forward."""
+    """Blocks (a partial last one included) of the longest request at the end of the forward
+    (one for a context built inside a captured step, whose block count comes from its
+    caller)."""
+    if ctx.prefix_lens_cpu is None:
+        return 1
     return max(1, -(-max(ctx.seq_lens_cpu, default=0) // ratio))
 
 

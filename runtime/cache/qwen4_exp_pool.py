@@ -25,7 +25,12 @@ from dataclasses import dataclass
 import torch
 
 from runtime.cache.pool_geometry import PoolGeometry
-from runtime.cache.qwen4_exp_metadata import BlockCount, prepare_metadata
+from runtime.cache.qwen4_exp_metadata import (
+    BlockCount,
+    Qwen4ExpUniformMetadata,
+    prepare_metadata,
+    uniform_metadata,
+)
 from runtime.cache.state_snapshots import RequestStateSnapshots
 from runtime.core.forward_context import ForwardContext
 
@@ -116,6 +121,15 @@ class Qwen4ExpKVPool(RequestStateSnapshots):
         """The addressing every layer of this forward reads (`qwen4_exp_metadata`);
         `blocks(ratio, needed)` pads the key block count of a uniform batch."""
         return prepare_metadata(ctx, self, blocks)
+
+    def prepare_in_step(
+        self, ctx: ForwardContext, like: Qwen4ExpUniformMetadata
+    ) -> Qwen4ExpUniformMetadata:
+        """The uniform addressing of `ctx`, built inside a captured step from its tensors
+        (positions computed in the step; torch ops only), laid out with the key block count
+        of `like`, metadata the same step received (whose count covers `ctx`'s positions)."""
+        count = None if like.keys is None else like.keys.block_start.shape[0]
+        return uniform_metadata(ctx, self, lambda ratio, _: count, host=False)
 
     # speculative decoding -----------------------------------------------------------------
     def commit_verified(self, req_pool_indices: torch.Tensor, num_accepted: torch.Tensor) -> None:

@@ -35,7 +35,8 @@ class CaptureConfig:
     bucket before serving, in the calling thread too). `cache_dir`: compiled artifacts on disk.
     `inductor_options`: passed to `torch.compile(options=...)` on CPU. `narrow_weights`: on
     CPU the steps read bf16 copies of fp32 weights bf16 holds exactly (`--disable-narrow-weights`
-    turns it off)."""
+    turns it off). `fused_round`: a greedy NEXTN round (target verify, acceptance, the draft's
+    steps) runs as one captured step (`--disable-fused-nextn-round` turns it off)."""
 
     enabled: bool = True
     batch_sizes: tuple[int, ...] = ()
@@ -45,6 +46,7 @@ class CaptureConfig:
     cache_dir: str | None = None
     inductor_options: dict = field(default_factory=dict)
     narrow_weights: bool = True
+    fused_round: bool = True
 
     def buckets(self, max_running_requests: int) -> tuple[int, ...]:
         """Ascending bucket sizes; a batch runs in the smallest bucket that holds it."""

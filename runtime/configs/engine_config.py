@@ -154,6 +154,11 @@ class EngineConfig:
         "bf16 holds exactly (a bf16 checkpoint run in fp32); the copies halve the weight bytes "
         "a decode step reads and cost half the fp32 weights' memory",
     )
+    disable_fused_nextn_round: bool = setting(
+        False,
+        "run each greedy NEXTN round as separate captured steps (target verify, then the "
+        "draft's round) instead of one graph that also accepts the drafts",
+    )
     capture_compile: str = setting(
         "background",
         "when a batch bucket's graph is built: background (its steps run eagerly until it is "
@@ -182,6 +187,7 @@ class EngineConfig:
                 self.capture_compile == "background" and self.parallel_layout().world_size == 1
             ),
             narrow_weights=not self.disable_narrow_weights,
+            fused_round=not self.disable_fused_nextn_round,
         )
 
     def speculative_config(self) -> SpeculativeConfig | None:

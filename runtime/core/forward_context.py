@@ -28,7 +28,7 @@ class ForwardContext:
     req_pool_indices: torch.Tensor  # [bs] rows of the request-to-token table
     prefix_lens: torch.Tensor  # [bs] tokens already in the cache before this forward
     extend_lens: torch.Tensor  # [bs] tokens this forward adds per request
-    prefix_lens_cpu: list[int]
+    prefix_lens_cpu: list[int] | None  # None: computed inside a captured step (`decode_rows`)
     extend_lens_cpu: list[int]
     positions: torch.Tensor  # [T] absolute position of every input row
     token_to_req: torch.Tensor  # [T] batch index of every input row
@@ -118,6 +118,37 @@ class ForwardContext:
             kv_pool=kv_pool,
             capture_hidden_mode=capture_hidden_mode,
             logits_row_indices=logits_row_indices,
+        )
+
+    @classmethod
+    def decode_rows(
+        cls,
+        req_pool_indices: torch.Tensor,
+        positions: torch.Tensor,
+        req_to_token: torch.Tensor,
+        kv_pool: Any,
+        capture_hidden_mode: CaptureHiddenMode = CaptureHiddenMode.NULL,
+    ) -> ForwardContext:
+        """One decode row per request at `positions [bs]`, from tensors alone: a captured
+        step builds it for positions it computed itself (a chained draft step after the
+        acceptance of a fused NEXTN round), so no host copy of the lengths exists."""
+        bs = req_pool_indices.shape[0]
+        rows = torch.arange(bs, device=positions.device)
+        return cls(
+            forward_mode=ForwardMode.DECODE,
+            batch_size=bs,
+            req_pool_indices=req_pool_indices,
+            prefix_lens=positions,
+            extend_lens=torch.ones_like(positions),
+            prefix_lens_cpu=None,
+            extend_lens_cpu=[1] * bs,
+            positions=positions,
+            token_to_req=rows,
+            extend_start_loc=rows,
+            out_cache_loc=req_to_token[req_pool_indices, positions],
+            req_to_token=req_to_token,
+            kv_pool=kv_pool,
+            capture_hidden_mode=capture_hidden_mode,
         )
 
     def last_row_per_request(self) -> torch.Tensor:

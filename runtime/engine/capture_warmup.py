@@ -44,17 +44,24 @@ def captured_buckets(engine, max_batch: int | None = None) -> list[int]:
     return sorted(buckets)
 
 
-def warm_up(engine, num_tokens: int = 8) -> None:
+def warm_up(engine, num_tokens: int = 8, sampled: bool = True) -> None:
     """One short greedy request through the engine, so each kind of step it runs is seen.
-    With speculation off in large batches, a second one decodes without speculating; it
-    runs eagerly, so its plain decode step compiles only at the buckets a large batch meets
-    (`compile_buckets`), not at its own batch size. The prefix cache forgets both."""
+    Where greedy NEXTN rounds run as one fused step (`CapturedRound`), a sampled request
+    (`sampled`) meets the steps of the round run step by step, which every other request
+    uses. With speculation off in large batches, another greedy one decodes without
+    speculating; it runs eagerly, so its plain decode step compiles only at the buckets a
+    large batch meets (`compile_buckets`), not at its own batch size. The prefix cache
+    forgets them all."""
     bos = engine.bos_token_id
     width = engine.spec_config.num_draft_tokens if engine.spec_config else 1
     prompt = [bos if bos is not None else 0] + list(range(3, 3 + 2 * width))
     params = {"max_new_tokens": max(num_tokens, 3 * width), "temperature": 0}
     engine.generate(input_ids=prompt, sampling_params=params)
     worker = engine.worker
+    fused = getattr(worker, "captured_round", None)
+    if sampled and fused is not None and fused.enabled():
+        seeded = {**params, "temperature": 1.0, "sampling_seed": 0}
+        engine.generate(input_ids=prompt, sampling_params=seeded)
     limit = getattr(worker, "disable_by_batch_size", None)
     if limit is not None:
         graph_runners = [r.graph_runner for r in captured_runners(engine)]

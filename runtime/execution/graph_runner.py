@@ -73,9 +73,12 @@ class StepKey:
     # > 0: a whole draft round in one graph (`GraphRunner.try_draft_round`): the extend over
     # verified rows, then `draft_steps - 1` chained steps, greedy picks in between
     draft_steps: int = 0
+    recipe: str = ""  # a step its caller defines (`StepRecipe.name`, `GraphRunner.try_recipe`)
 
     def describe(self) -> str:
         rows = "" if self.rows_per_req == 1 else f" x {self.rows_per_req} rows"
+        if self.recipe:
+            return f"{self.recipe} bs {self.bucket}{rows}"
         if self.draft_steps:
             return f"draft round ({self.draft_steps} steps) bs {self.bucket}{rows}"
         step = f" step {self.spec_step_idx}" if self.spec_step_idx else ""
@@ -89,10 +92,23 @@ class StepState(enum.Enum):
     FAILED = "failed"
 
 
+@dataclass(frozen=True)
+class StepRecipe:
+    """A captured step whose body and arguments its caller defines (the speculative worker's
+    fused NEXTN round, which runs two models). `body(*args)` is compiled (recorded) once per
+    bucket, on `padding_args(bucket)`: arguments made only of padding rows, which write
+    only the caches' padding rows. Outputs are tensors or tuples of tensors."""
+
+    name: str
+    body: Callable
+    padding_args: Callable[[int], tuple]
+
+
 @dataclass
 class CapturedStep:
     key: StepKey
     fn: Callable
+    recipe: StepRecipe | None = None
     state: StepState = StepState.PENDING
     seconds: float = 0.0
     error: str | None = None
@@ -235,10 +251,29 @@ class GraphRunner:
         batch = self.padded_round(inp, chain_positions, step.key)
         return self._run(step, batch, len(inp.extend_lens)).next_token_logits
 
-    def _ready_step(self, key: StepKey, hidden: torch.Tensor | None) -> CapturedStep | None:
+    def try_recipe(
+        self, key: StepKey, recipe: StepRecipe, live_args: Callable[[int], tuple]
+    ) -> tuple | None:
+        """Run the caller-defined step `recipe` (`key.recipe` names it) on
+        `live_args(bucket)`, the live batch padded to the bucket of the ready step (its own,
+        or a larger one while its own compiles). Returns the step's outputs at the bucket's
+        size (the caller slices its live rows), or None when no bucket is ready (the caller
+        then runs the work another way)."""
+        step = self._ready_step(key, None, recipe)
+        if step is None:
+            return None
+        args = live_args(step.key.bucket)
+        if self.cuda:
+            outputs = self._replay_cuda_graph(step, args)
+            return tuple(o.clone() for o in outputs)  # the next replay overwrites them
+        return self._call_compiled(step, args)
+
+    def _ready_step(
+        self, key: StepKey, hidden: torch.Tensor | None, recipe: StepRecipe | None = None
+    ) -> CapturedStep | None:
         """The compiled step for `key` (compiling it if it is new), or the smallest larger
         ready bucket while it compiles, or None."""
-        step = self._step(key, hidden)
+        step = self._step(key, hidden, recipe)
         if step.state is StepState.PENDING and self.compiles_on_demand:
             self._schedule(step)
         if step.state is not StepState.READY:
@@ -300,10 +335,19 @@ class GraphRunner:
         return tuple(contexts), ids, hidden
 
     def _prepared_context(
-        self, mode, req_pool_indices, prefix_lens, rows_per_req, capture_hidden, logits_rows
+        self,
+        mode,
+        req_pool_indices,
+        prefix_lens,
+        rows_per_req,
+        capture_hidden,
+        logits_rows,
+        reach: int = 0,
     ) -> ForwardContext:
         """A padded batch's context of `rows_per_req` rows per request, its metadata prepared
-        at the bucket's shapes."""
+        at the bucket's shapes. `reach`: the entry counts also cover positions that far past
+        the batch's rows (a captured step that derives later steps' metadata from these,
+        `prepare_in_step`)."""
         ctx = ForwardContext.build(
             mode,
             req_pool_indices,
@@ -315,8 +359,24 @@ class GraphRunner:
             capture_hidden_mode=capture_hidden,
             logits_row_indices=logits_rows,
         )
-        ctx.attn_metadata = self.runner.kv_pool.prepare(ctx, self._entries)
+        entries = self._entries
+        if reach:
+            longest = max(ctx.seq_lens_cpu, default=0) + reach
+
+            def entries(ratio: int, needed: int) -> int:
+                return self._entries(ratio, max(needed, -(-longest // ratio)))
+
+        ctx.attn_metadata = self.runner.kv_pool.prepare(ctx, entries)
         return ctx
+
+    def prepared_context(
+        self, mode, req_pool_indices, prefix_lens, rows_per_req, capture_hidden, reach=0
+    ) -> ForwardContext:
+        """A context for a caller-defined step (`try_recipe`): `rows_per_req` rows of each
+        request (already padded to a bucket), logits and hidden states of every row."""
+        return self._prepared_context(
+            mode, req_pool_indices, prefix_lens, rows_per_req, capture_hidden, None, reach
+        )
 
     def _entries(self, ratio: int, needed: int) -> int:
         """Compressed entries (key blocks) laid out for a captured step (see the module
@@ -328,12 +388,11 @@ class GraphRunner:
     def _run(self, step: CapturedStep, batch, batch_size: int) -> LogitsProcessorOutput:
         ctx, ids, hidden = batch
         key = step.key
+        args = (ctx, ids, hidden, key.spec_step_idx)
         if self.cuda:
-            logits, states = self._replay_cuda_graph(step, batch)
+            logits, states = self._replay_cuda_graph(step, args)
         else:
-            mark_dynamic_dims(ctx)
-            with torch.compiler.set_stance(skip_guard_eval_unsafe=SKIP_GUARDS):
-                logits, states = step.fn(ctx, ids, hidden, key.spec_step_idx)
+            logits, states = self._call_compiled(step, args)
         if key.draft_steps:  # the round's drafts `[bucket, steps]`
             drafts = logits[:batch_size]
             return LogitsProcessorOutput(drafts.clone() if self.cuda else drafts, None)
@@ -349,20 +408,31 @@ class GraphRunner:
             states = None if states is None else states.clone()
         return LogitsProcessorOutput(logits, states)
 
+    @staticmethod
+    def _call_compiled(step: CapturedStep, args: tuple):
+        mark_dynamic_dims(args)
+        with torch.compiler.set_stance(skip_guard_eval_unsafe=SKIP_GUARDS):
+            return step.fn(*args)
+
     # --- compiling -----------------------------------------------------------------------
-    def _step(self, key: StepKey, hidden: torch.Tensor | None) -> CapturedStep:
+    def _step(
+        self, key: StepKey, hidden: torch.Tensor | None, recipe: StepRecipe | None = None
+    ) -> CapturedStep:
         with self._lock:
             step = self._steps.get(key)
             if step is None:
                 name = f"captured_{key.mode.name.lower()}_{key.rows_per_req}x{key.bucket}"
                 if key.draft_steps:
                     name = f"captured_draft_round_{key.draft_steps}x{key.bucket}"
+                if recipe is not None:
+                    name = f"captured_{recipe.name.replace(' ', '_')}_{key.bucket}"
                 like = None if hidden is None else hidden.new_zeros((0, hidden.shape[1]))
-                step = CapturedStep(key, self._step_function(name, key), hidden_like=like)
+                fn = self._step_function(name, key, recipe)
+                step = CapturedStep(key, fn, recipe, hidden_like=like)
                 self._steps[key] = step
             return step
 
-    def _step_function(self, name: str, key: StepKey) -> Callable:
+    def _step_function(self, name: str, key: StepKey, recipe: StepRecipe | None) -> Callable:
         call_model = self.runner.call_model
 
         def step(ctx, input_ids, hidden, spec_step_idx):
@@ -370,6 +440,8 @@ class GraphRunner:
             return out.next_token_logits, out.hidden_states
 
         body = draft_round_function(self.runner, key) if key.draft_steps else step
+        if recipe is not None:
+            body = recipe.body
         fn = fresh_function(body, name)
         if self.cuda and not self.config.torch_compile:
             return fn
@@ -416,16 +488,12 @@ class GraphRunner:
             # on a replica every rank compiles this step now and then runs it together
             with torch.inference_mode(), _compile_lock, patient_collectives():
                 self.configure_regions()
-                inp = self._padding_input(step)
-                if step.key.draft_steps:
-                    batch = self.padded_round(inp, [], step.key)
-                else:
-                    batch = self.padded_batch(inp, step.key)
+                args = self._padding_args(step)
                 if self.cuda:
-                    self._capture_cuda_graph(step, batch)
+                    self._capture_cuda_graph(step, args)
                 else:
-                    mark_dynamic_dims(batch[0])
-                    step.fn(batch[0], batch[1], batch[2], step.key.spec_step_idx)
+                    mark_dynamic_dims(args)
+                    step.fn(*args)
         except Exception as err:  # a step that cannot be captured keeps running eagerly
             step.state, step.error = StepState.FAILED, f"{type(err).__name__}: {err}"
             logger.warning("capture of %s failed, it runs eagerly: %s", step.key.describe(), err)
@@ -433,6 +501,16 @@ class GraphRunner:
         step.seconds = time.perf_counter() - start
         step.state = StepState.READY
         logger.info("captured %s in %.1f s", step.key.describe(), step.seconds)
+
+    def _padding_args(self, step: CapturedStep) -> tuple:
+        """The step's arguments for a batch of padding rows only."""
+        key = step.key
+        if step.recipe is not None:
+            return step.recipe.padding_args(key.bucket)
+        inp = self._padding_input(step)
+        if key.draft_steps:
+            return (*self.padded_round(inp, [], key), key.spec_step_idx)
+        return (*self.padded_batch(inp, key), key.spec_step_idx)
 
     def _padding_input(self, step: CapturedStep):
         """A zero-request input of the step's shape (padding fills the whole bucket)."""
@@ -463,7 +541,7 @@ class GraphRunner:
                 each = dataclasses.replace(key, bucket=bucket)
                 if wanted is not None and not wanted(each):
                     continue
-                step = self._step(each, seen.hidden_like)
+                step = self._step(each, seen.hidden_like, seen.recipe)
                 if step.state is StepState.PENDING:
                     self._compile(step)
 
@@ -477,11 +555,9 @@ class GraphRunner:
         return True
 
     # --- CUDA graphs ---------------------------------------------------------------------
-    def _capture_cuda_graph(self, step: CapturedStep, batch) -> None:
+    def _capture_cuda_graph(self, step: CapturedStep, args: tuple) -> None:
         """Warm up on a side stream, then record the step into a CUDA graph whose inputs are
-        `batch`'s tensors (later batches are copied into them)."""
-        ctx, ids, hidden = batch
-        args = (ctx, ids, hidden, step.key.spec_step_idx)
+        `args`' tensors (later batches are copied into them)."""
         # streams and the capture belong to the model's GPU, whichever is the thread's current
         with torch.cuda.device(self.device):
             stream = torch.cuda.Stream()
@@ -497,12 +573,12 @@ class GraphRunner:
             # time and `_run` copies a replay's outputs before the next one can overwrite them
             with torch.cuda.graph(graph, pool=self._graph_pool):
                 outputs = step.fn(*args)
-        step.graph = (graph, batch, outputs)
+        step.graph = (graph, args, outputs)
 
-    def _replay_cuda_graph(self, step: CapturedStep, batch):
+    def _replay_cuda_graph(self, step: CapturedStep, args: tuple):
         graph, static, outputs = step.graph
         with torch.cuda.device(self.device):  # copies and launch on the model's GPU's stream
-            for dst, src in zip(tensors_of(static), tensors_of(batch), strict=True):
+            for dst, src in zip(tensors_of(static), tensors_of(args), strict=True):
                 if dst.data_ptr() != src.data_ptr():  # the shared caches are the same tensors
                     dst.copy_(src)
             graph.replay()
@@ -538,12 +614,15 @@ def logits_rows_of(inp, rows_per_req: int) -> list[int] | None:
     return [(b + 1) * rows_per_req - 1 for b in range(len(inp.extend_lens))]
 
 
-def mark_dynamic_dims(ctx: ForwardContext | tuple[ForwardContext, ...]) -> None:
+def mark_dynamic_dims(args) -> None:
     """The dims that grow with the context (compressed entries, key blocks) stay symbolic in
-    the graph (of every context of a draft round)."""
-    for one in ctx if isinstance(ctx, tuple) else (ctx,):
-        for tensor, dim in getattr(one.attn_metadata, "dynamic_dims", list)():
+    the graph: those of every context among a step's arguments (nested in tuples)."""
+    if isinstance(args, ForwardContext):
+        for tensor, dim in getattr(args.attn_metadata, "dynamic_dims", list)():
             torch._dynamo.mark_dynamic(tensor, dim)
+    elif isinstance(args, (tuple, list)):
+        for one in args:
+            mark_dynamic_dims(one)
 
 
 def draft_round_function(runner, key: StepKey) -> Callable:

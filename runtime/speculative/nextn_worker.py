@@ -20,6 +20,9 @@ A step may carry prefill chunks and verify rounds together (`supports_mixed`): t
 first (a uniform batch: the target's captured verify step and the draft's captured steps),
 then the chunks (an eager extend), so decoding never pauses while prompts prefill.
 
+A greedy round whose logits nothing adjusts runs as one captured graph, acceptance and the
+draft's steps included (`CapturedRound`); other rounds run the steps above one by one.
+
 Speculation off in large batches (`SpeculativeConfig.disable_by_batch_size`, vLLM's
 `speculative_disable_by_batch_size`): a verify round scores `S + 1` rows per request, which
 pays while a step is bound by its fixed costs and not once it is bound by compute. A decode
@@ -54,6 +57,7 @@ from runtime.execution.worker import (
     token_logprob_outputs,
 )
 from runtime.speculative.acceptance import VerifyResult, verify
+from runtime.speculative.captured_round import CapturedRound
 from runtime.speculative.draft_batch import DraftBatch
 
 
@@ -126,6 +130,7 @@ class NextNWorker:
         self.stats = SpecStats(spec.num_steps)
         self.disable_by_batch_size = spec.disable_by_batch_size
         self.undrafted: dict[str, UndraftedRows] = {}  # by request id
+        self.captured_round = CapturedRound(target, drafter.runner, spec.num_steps)
 
     def reserve_ahead(self) -> int:
         """Verify writes up to `seq_len - 1 + S`, draft steps up to `seq_len + 2S - 2`."""
@@ -221,12 +226,24 @@ class NextNWorker:
         a prefix, commits it, and the draft proposes the next round's tokens from the
         verified rows."""
         drafts = pending_drafts(reqs, fresh)  # [bs, S]
+        fused = self._fused_round(reqs, drafts)
+        if fused is not None:
+            self._commit(reqs, fused.result)
+            return self._round_outputs(reqs, drafts, fused.result, fused.logits, fused.next_drafts)
         bitmask = verify_bitmask(reqs, drafts, self.vocab_size)  # host work before the forward
         out = self.target.forward(verify_input(reqs, drafts))  # [bs * (S + 1)] rows
         result = self._accept(reqs, drafts, out.next_token_logits, bitmask)
         self._commit(reqs, result)
         next_drafts = self.drafter.draft(redraft_batch(reqs, drafts, result, out.hidden_states))
         return self._round_outputs(reqs, drafts, result, out.next_token_logits, next_drafts)
+
+    def _fused_round(self, reqs: Sequence[Req], drafts: torch.Tensor):
+        """The round in one captured graph (`CapturedRound`) where its acceptance is greedy
+        and nothing adjusts the logits; None where it runs as separate steps."""
+        fused = self.captured_round
+        if not fused.enabled() or not fused.serves(reqs, self.eos_ids):
+            return None
+        return fused.run(reqs, drafts)
 
     def _accept(
         self,

@@ -125,6 +125,7 @@ CAPTURE_FLAGS = (
     "cuda_graph_max_bs",
     "capture_compile",
     "disable_narrow_weights",
+    "disable_fused_nextn_round",
     "enable_torch_compile",
 )
 

@@ -21,8 +21,9 @@ def compile_captured_buckets(engine, max_batch: int) -> None:
     requests finish; chunked prompts may never decode all at once in a warm-up), then print
     what each captured step took to compile. The engine's own warm-up request runs first, so
     every kind is seen even where the benchmark's warm-up misses one (plain decode steps of
-    a NEXTN engine that stops speculating in large batches)."""
-    warm_up(engine)
+    a NEXTN engine that stops speculating in large batches). The benchmarks decode greedily:
+    the steps of sampled NEXTN rounds are left out."""
+    warm_up(engine, sampled=False)
     compile_buckets(engine, captured_buckets(engine, max_batch))
     report_compiles(engine)
 

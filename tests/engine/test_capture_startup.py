@@ -11,6 +11,8 @@ compiles for real.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from runtime import Engine
@@ -42,6 +44,11 @@ def stubbed_compiles(monkeypatch):
     return compiled
 
 
+def kind_of(key):
+    """A captured step's kind: its key without the bucket."""
+    return dataclasses.replace(key, bucket=0)
+
+
 @pytest.mark.parametrize("spec", [{}, {"speculative_algorithm": "NEXTN"}], ids=["plain", "nextn"])
 def test_startup_compiles_every_kind_at_every_bucket_then_serves(
     v4_mtp_ckpt, stubbed_compiles, spec
@@ -53,16 +60,17 @@ def test_startup_compiles_every_kind_at_every_bucket_then_serves(
 
     engine = Engine(**common, cuda_graph_bs=list(BUCKETS), capture_compile="startup")
     compiled = list(stubbed_compiles)
-    kinds = {(role, key.mode, key.rows_per_req, key.spec_step_idx) for role, key in compiled}
+    kinds = {(role, kind_of(key)) for role, key in compiled}
     roles = {role for role, _ in compiled}
     assert roles == ({"target", "draft"} if spec else {"target"})
     assert len(compiled) == len(set(compiled)) == len(kinds) * len(BUCKETS)
     for role, key in compiled:  # each kind at each bucket, nothing twice
-        assert {
-            k.bucket
-            for r, k in compiled
-            if r == role and k.mode == key.mode and k.spec_step_idx == key.spec_step_idx
-        } == set(BUCKETS)
+        assert {k.bucket for r, k in compiled if (r, kind_of(k)) == (role, kind_of(key))} == set(
+            BUCKETS
+        )
+    if spec:  # greedy rounds run fused, sampled ones step by step: both compiled
+        recipes = {key.recipe for _, key in compiled}
+        assert recipes == {"", "nextn round"}
     assert engine.prefix_cache.stats().cached_tokens == 0  # the warm-up is forgotten
 
     assert staggered_generate(engine, prompts, lengths) == reference
@@ -88,18 +96,14 @@ def test_startup_compiles_only_the_steps_a_batch_can_meet(v4_mtp_ckpt, stubbed_c
     compiled = list(stubbed_compiles)
     plain = {k.bucket for role, k in compiled if role == "target" and k.mode.name == "DECODE"}
     speculative = {
-        (role, k.mode, k.spec_step_idx, k.draft_steps)
+        (role, kind_of(k))
         for role, k in compiled
         if not (role == "target" and k.mode.name == "DECODE")
     }
     assert plain == {4}
-    assert {kind[0] for kind in speculative} == {"target", "draft"}
-    for role, mode, step_idx, draft_steps in speculative:
-        assert {
-            k.bucket
-            for r, k in compiled
-            if (r, k.mode, k.spec_step_idx, k.draft_steps) == (role, mode, step_idx, draft_steps)
-        } == {1, 2}
+    assert {role for role, _ in speculative} == {"target", "draft"}
+    for role, kind in speculative:
+        assert {k.bucket for r, k in compiled if (r, kind_of(k)) == (role, kind)} == {1, 2}
     assert len(compiled) == len(set(compiled))
     assert staggered_generate(engine, prompts, lengths) == reference
     assert stubbed_compiles == compiled  # serving compiled nothing more

@@ -397,8 +397,8 @@ def staggered_generate(engine, prompts, lengths):
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["deepseek_v4", "qwen4_exp"])
 def test_captured_engines_equal_eager_plain(family, request, monkeypatch, tmp_path):
-    """Plain and NEXTN engines (also with speculation off in larger batches, and with a
-    hot-vocabulary draft head) replaying
+    """Plain and NEXTN engines (greedy rounds fused into one graph or run step by step,
+    speculation off in larger batches, a hot-vocabulary draft head) replaying
     captured steps (bucket 4, 1 to 4 live requests) give the eager plain engine's greedy
     tokens, which equal transformers' `generate` (contexts long enough for QSA's selection
     and past one padded key-block count)."""
@@ -417,7 +417,8 @@ def test_captured_engines_equal_eager_plain(family, request, monkeypatch, tmp_pa
     hot_table.write_text(json.dumps(list(range(0, 97, 2))))
     variants = (
         {},
-        nextn,
+        nextn,  # greedy rounds run fused (`CapturedRound`)
+        {**nextn, "disable_fused_nextn_round": True},  # verify, then the draft's round
         {**nextn, "speculative_disable_by_batch_size": 3},
         {**nextn, "speculative_token_map": str(hot_table)},  # a hot-vocabulary draft head
     )
@@ -428,6 +429,11 @@ def test_captured_engines_equal_eager_plain(family, request, monkeypatch, tmp_pa
         for runner in runners:
             states = runner.graph_runner.compiled_steps()
             assert states and all(s == "ready" for _, s, _ in states), states
+        target_steps = [name for name, _, _ in engine.runner.graph_runner.compiled_steps()]
+        fused = f"nextn round bs {BUCKET} x 4 rows"
+        assert (fused in target_steps) == (
+            spec.get("disable_fused_nextn_round") is None and bool(spec)
+        )
         if "speculative_disable_by_batch_size" in spec:
             target_steps = [name for name, _, _ in engine.runner.graph_runner.compiled_steps()]
             assert "decode bs 4" in target_steps, target_steps

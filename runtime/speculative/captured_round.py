@@ -1,0 +1,180 @@
+# SPDX-License-Identifier: Apache-2.0
+"""A whole greedy NEXTN round in one captured graph: target verify, acceptance, the draft's
+pass over the verified rows and its chained steps (SGLang captures the target verify and
+the EAGLE draft steps as separate CUDA graphs; fusing them removes the host work between
+them, which on a CPU costs as much as a draft step).
+
+    verify [t, d1..dS] -> greedy acceptance (m, bonus) -> following tokens
+    -> draft extend over the S + 1 rows -> pick row m -> S - 1 chained draft steps
+
+What the host cannot know before the round, each request's accept count `m`, decides only
+values inside the graph: the draft reads row m of its extend (logits and hidden states of
+every row are computed, a gather picks it), and the chained steps' positions
+`num_cached + m + i` are computed in the graph, where the draft's cache pool derives their
+metadata from them (`prepare_in_step`, torch ops only) with the entry counts of the
+extend's metadata, prepared on the host to reach those positions. Everything else is
+prepared before the graph runs, as for any captured step.
+
+The fused round serves batches the rule can decide inside the graph: every request greedy,
+no logit adjustment (penalties, `min_new_tokens`), no grammar, a single-rank engine. Other
+rounds run as separate steps (`NextNWorker._verify`), with the same tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from runtime.core.forward_context import ForwardContext
+from runtime.core.forward_mode import CaptureHiddenMode, ForwardMode
+from runtime.core.request import Req
+from runtime.execution.graph_runner import StepKey, StepRecipe
+from runtime.execution.model_runner import ModelRunner
+from runtime.execution.penalties import needs_adjustment
+from runtime.speculative.acceptance import VerifyResult, verify_greedy
+
+ROUND_NAME = "nextn round"
+
+
+@dataclass
+class RoundOutput:
+    result: VerifyResult  # on the host
+    logits: torch.Tensor  # [bs * (S + 1), V] the verify rows' logits (logprobs read them)
+    next_drafts: list[list[int]]  # [bs][S]
+
+
+class CapturedRound:
+    def __init__(self, target: ModelRunner, draft: ModelRunner, num_steps: int):
+        self.target, self.draft, self.num_steps = target, draft, num_steps
+        self.width = num_steps + 1
+        self.recipe = StepRecipe(ROUND_NAME, round_body(target, draft, num_steps), self._padding)
+
+    # --- which rounds ----------------------------------------------------------------------
+    def enabled(self) -> bool:
+        """Both models capture their steps, on one rank, and the draft's pass over a round
+        reads every verified row (no window shorter than the round to skip rows by)."""
+        runners = (self.target, self.draft)
+        reach = self.draft.model.kv_reach
+        return (
+            all(r.graph_runner is not None and r.graph_runner.capturable for r in runners)
+            and all(r.broadcaster is None for r in runners)
+            and self.target.graph_runner.config.fused_round
+            and (reach is None or reach >= self.width)
+        )
+
+    def serves(self, reqs: Sequence[Req], eos_ids: set[int]) -> bool:
+        """Whether the round of `reqs` is decided by greedy acceptance of unadjusted logits."""
+        return all(
+            (r.sampling_params.temperature == 0.0 or r.sampling_params.top_k == 1)
+            and r.grammar is None
+            and not needs_adjustment(r, eos_ids)
+            for r in reqs
+        )
+
+    def key(self, batch_size: int) -> StepKey | None:
+        bucket = self.target.graph_runner.bucket_for(batch_size)
+        if bucket is None or self.draft.graph_runner.bucket_for(bucket) != bucket:
+            return None
+        return StepKey(
+            ForwardMode.TARGET_VERIFY,
+            self.width,
+            bucket,
+            CaptureHiddenMode.FULL,
+            "all rows",
+            False,
+            0,
+            recipe=ROUND_NAME,
+        )
+
+    # --- running ---------------------------------------------------------------------------
+    @torch.inference_mode()  # as every forward (and the compile) runs
+    def run(self, reqs: Sequence[Req], drafts: torch.Tensor) -> RoundOutput | None:
+        """The round of `reqs` over their pending `drafts [bs, S]`, or None when no bucket of
+        it is ready (it compiles meanwhile) and the round must run step by step."""
+        key = self.key(len(reqs))
+        if key is None:
+            return None
+        last = torch.tensor([r.output_ids[-1] for r in reqs], dtype=torch.long)
+        ids = torch.cat([last.unsqueeze(1), drafts], dim=1)
+        pools = [r.req_pool_idx for r in reqs]
+        prefixes = [r.num_cached for r in reqs]
+        outputs = self.target.graph_runner.try_recipe(
+            key, self.recipe, lambda bucket: self._args(pools, prefixes, ids, bucket)
+        )
+        if outputs is None:
+            return None
+        logits, num_accepted, final, proposals = outputs
+        bs = len(reqs)
+        return RoundOutput(
+            VerifyResult(num_accepted[:bs].cpu(), final[:bs].cpu()),
+            logits[: bs * self.width],
+            proposals[:bs].tolist(),
+        )
+
+    def _args(self, pools: list[int], prefixes: list[int], ids: torch.Tensor, bucket: int):
+        """The round's arguments, the batch padded to `bucket` with the padding request."""
+        target, draft = self.target.graph_runner, self.draft.graph_runner
+        pad = bucket - len(pools)
+        pools = pools + [target.pad_req] * pad
+        prefixes = prefixes + [0] * pad
+        ids = torch.cat([ids, ids.new_zeros((pad, self.width))]).flatten()
+        full = CaptureHiddenMode.FULL
+        verify_ctx = target.prepared_context(
+            ForwardMode.TARGET_VERIFY, pools, prefixes, self.width, full
+        )
+        # the chained steps reach `num_steps - 1` positions past the extend's rows
+        extend_ctx = draft.prepared_context(
+            ForwardMode.DRAFT_EXTEND, pools, prefixes, self.width, full, self.num_steps - 1
+        )
+        device = verify_ctx.device
+        return (
+            verify_ctx,
+            ids.to(device),
+            extend_ctx,
+            torch.tensor(prefixes, dtype=torch.long, device=device),
+        )
+
+    def _padding(self, bucket: int) -> tuple:
+        return self._args([], [], torch.zeros((0, self.width), dtype=torch.long), bucket)
+
+
+def round_body(target: ModelRunner, draft: ModelRunner, num_steps: int):
+    """The captured round (see the module docstring): returns (verify logits
+    `[bucket * (S + 1), V]`, accept counts `[bucket]`, the token after the accepted drafts
+    `[bucket]`, the next drafts `[bucket, S]`)."""
+    call_target, call_draft = target.call_model, draft.call_model
+    canonical = getattr(draft.model, "canonical_spec_step", None)
+    chain_steps = tuple(i if canonical is None else canonical(i) for i in range(1, num_steps))
+    draft_pool, req_to_token = draft.kv_pool, draft.slot_table.req_to_token
+    width = num_steps + 1
+
+    def nextn_round(verify_ctx, ids, extend_ctx, first_positions):
+        bs = first_positions.shape[0]
+        out = call_target(verify_ctx, ids, None, 0)
+        logits = out.next_token_logits
+        drafts = ids.view(bs, width)[:, 1:]
+        accepted = verify_greedy(logits, drafts)
+        num, final = accepted.num_accepted, accepted.final_tokens
+        # row j is followed by d_{j+1} while drafts were accepted and by the bonus at row m;
+        # rows past m carry stale tokens whose draft cache rows the next round rewrites
+        following = torch.cat([drafts, final.unsqueeze(1)], dim=1)
+        following = following.scatter(1, num.unsqueeze(1), final.unsqueeze(1))
+        extended = call_draft(extend_ctx, following.flatten(), out.hidden_states, 0)
+        rows = torch.arange(bs, device=num.device) * width + num
+        tokens = extended.next_token_logits[rows].argmax(-1)
+        hidden = extended.hidden_states[rows]
+        proposals = [tokens]
+        pools = verify_ctx.req_pool_indices
+        for i, step_idx in enumerate(chain_steps, start=1):
+            ctx = ForwardContext.decode_rows(
+                pools, first_positions + num + i, req_to_token, draft_pool, CaptureHiddenMode.LAST
+            )
+            ctx.attn_metadata = draft_pool.prepare_in_step(ctx, extend_ctx.attn_metadata)
+            step = call_draft(ctx, tokens, hidden, step_idx)
+            tokens, hidden = step.next_token_logits.argmax(-1), step.hidden_states
+            proposals.append(tokens)
+        return logits, num, final, torch.stack(proposals, dim=1)
+
+    return nextn_round
