@@ -58,7 +58,7 @@ ENTRY_MULTIPLE = 16  # compressed-entry counts are padded to this (CPU: a dynami
 CPU_INDUCTOR_OPTIONS = {"cpp_wrapper": True}
 _compile_lock = threading.Lock()
 SKIP_GUARDS = os.environ.get("NEXTN_CHECK_GUARDS") is None
-_LOGITS_ALL, _LOGITS_PER_REQUEST = "all rows", "one row per request"
+LOGITS_ALL, LOGITS_PER_REQUEST = "all rows", "one row per request"
 
 
 @dataclass(frozen=True)
@@ -67,7 +67,7 @@ class StepKey:
     rows_per_req: int
     bucket: int
     capture_hidden: CaptureHiddenMode
-    logits: str  # _LOGITS_ALL or _LOGITS_PER_REQUEST
+    logits: str  # LOGITS_ALL or LOGITS_PER_REQUEST
     hidden_input: bool
     spec_step_idx: int
     # > 0: a whole draft round in one graph (`GraphRunner.try_draft_round`): the extend over
@@ -185,9 +185,9 @@ class GraphRunner:
             return None
         rows = logits_rows_of(inp, q)
         if rows is None:
-            logits = _LOGITS_ALL
+            logits = LOGITS_ALL
         elif len(rows) == len(lens):
-            logits = _LOGITS_PER_REQUEST
+            logits = LOGITS_PER_REQUEST
         else:
             return None
         canonical = getattr(self.runner.model, "canonical_spec_step", None)
@@ -222,7 +222,7 @@ class GraphRunner:
         if (
             key is None
             or key.mode is not ForwardMode.DRAFT_EXTEND
-            or key.logits != _LOGITS_PER_REQUEST
+            or key.logits != LOGITS_PER_REQUEST
             or key.capture_hidden is not CaptureHiddenMode.LAST
             or not key.hidden_input
             or num_steps < 1
@@ -299,7 +299,7 @@ class GraphRunner:
         rows = logits_rows_of(inp, q)
         if rows is not None:
             rows = [int(r) for r in rows] + [(bs + j) * q + q - 1 for j in range(pad)]
-        ctx = self._prepared_context(
+        ctx = self.prepared_context(
             key.mode,
             list(inp.req_pool_indices) + [self.pad_req] * pad,
             list(inp.prefix_lens) + [0] * pad,
@@ -328,26 +328,28 @@ class GraphRunner:
         for i in range(1, key.draft_steps):
             positions = [p + i - 1 for p in chain_positions] + [0] * pad
             contexts.append(
-                self._prepared_context(
+                self.prepared_context(
                     ForwardMode.DECODE, pools, positions, 1, CaptureHiddenMode.LAST, None
                 )
             )
         return tuple(contexts), ids, hidden
 
-    def _prepared_context(
+    def prepared_context(
         self,
         mode,
         req_pool_indices,
         prefix_lens,
         rows_per_req,
         capture_hidden,
-        logits_rows,
+        logits_rows=None,
+        *,
         reach: int = 0,
     ) -> ForwardContext:
         """A padded batch's context of `rows_per_req` rows per request, its metadata prepared
-        at the bucket's shapes. `reach`: the entry counts also cover positions that far past
-        the batch's rows (a captured step that derives later steps' metadata from these,
-        `prepare_in_step`)."""
+        at the bucket's shapes (also for a caller-defined step, `try_recipe`).
+        `logits_rows`: None for every row. `reach`: the entry counts also cover positions
+        that far past the batch's rows (a captured step that derives later steps' metadata
+        from these, `prepare_in_step`)."""
         ctx = ForwardContext.build(
             mode,
             req_pool_indices,
@@ -369,15 +371,6 @@ class GraphRunner:
         ctx.attn_metadata = self.runner.kv_pool.prepare(ctx, entries)
         return ctx
 
-    def prepared_context(
-        self, mode, req_pool_indices, prefix_lens, rows_per_req, capture_hidden, reach=0
-    ) -> ForwardContext:
-        """A context for a caller-defined step (`try_recipe`): `rows_per_req` rows of each
-        request (already padded to a bucket), logits and hidden states of every row."""
-        return self._prepared_context(
-            mode, req_pool_indices, prefix_lens, rows_per_req, capture_hidden, None, reach
-        )
-
     def _entries(self, ratio: int, needed: int) -> int:
         """Compressed entries (key blocks) laid out for a captured step (see the module
         docstring)."""
@@ -397,10 +390,10 @@ class GraphRunner:
             drafts = logits[:batch_size]
             return LogitsProcessorOutput(drafts.clone() if self.cuda else drafts, None)
         rows = batch_size * key.rows_per_req
-        logits = logits[: batch_size if key.logits == _LOGITS_PER_REQUEST else rows]
+        logits = logits[: batch_size if key.logits == LOGITS_PER_REQUEST else rows]
         if states is not None:
             per_request = (
-                key.capture_hidden is CaptureHiddenMode.LAST and key.logits == _LOGITS_PER_REQUEST
+                key.capture_hidden is CaptureHiddenMode.LAST and key.logits == LOGITS_PER_REQUEST
             )
             states = states[: batch_size if per_request else rows]
         if self.cuda:  # the graph's outputs are overwritten by the next replay
@@ -439,9 +432,12 @@ class GraphRunner:
             out = call_model(ctx, input_ids, hidden, spec_step_idx)
             return out.next_token_logits, out.hidden_states
 
-        body = draft_round_function(self.runner, key) if key.draft_steps else step
         if recipe is not None:
             body = recipe.body
+        elif key.draft_steps:
+            body = draft_round_function(self.runner, key)
+        else:
+            body = step
         fn = fresh_function(body, name)
         if self.cuda and not self.config.torch_compile:
             return fn
@@ -525,7 +521,7 @@ class GraphRunner:
             [],
             capture_hidden_mode=key.capture_hidden,
             captured_hidden_states=step.hidden_like,
-            logits_row_indices=[] if key.logits == _LOGITS_PER_REQUEST else None,
+            logits_row_indices=[] if key.logits == LOGITS_PER_REQUEST else None,
             spec_step_idx=key.spec_step_idx,
         )
 

@@ -30,8 +30,8 @@ import torch
 from runtime.core.forward_context import ForwardContext
 from runtime.core.forward_mode import CaptureHiddenMode, ForwardMode
 from runtime.core.request import Req
-from runtime.execution.graph_runner import StepKey, StepRecipe
-from runtime.execution.model_runner import ModelRunner
+from runtime.execution.graph_runner import LOGITS_ALL, StepKey, StepRecipe
+from runtime.execution.model_runner import ModelInput, ModelRunner
 from runtime.execution.penalties import needs_adjustment
 from runtime.speculative.acceptance import VerifyResult, verify_greedy
 
@@ -67,9 +67,7 @@ class CapturedRound:
     def serves(self, reqs: Sequence[Req], eos_ids: set[int]) -> bool:
         """Whether the round of `reqs` is decided by greedy acceptance of unadjusted logits."""
         return all(
-            (r.sampling_params.temperature == 0.0 or r.sampling_params.top_k == 1)
-            and r.grammar is None
-            and not needs_adjustment(r, eos_ids)
+            r.sampling_params.is_greedy and r.grammar is None and not needs_adjustment(r, eos_ids)
             for r in reqs
         )
 
@@ -82,7 +80,7 @@ class CapturedRound:
             self.width,
             bucket,
             CaptureHiddenMode.FULL,
-            "all rows",
+            LOGITS_ALL,
             False,
             0,
             recipe=ROUND_NAME,
@@ -90,23 +88,21 @@ class CapturedRound:
 
     # --- running ---------------------------------------------------------------------------
     @torch.inference_mode()  # as every forward (and the compile) runs
-    def run(self, reqs: Sequence[Req], drafts: torch.Tensor) -> RoundOutput | None:
-        """The round of `reqs` over their pending `drafts [bs, S]`, or None when no bucket of
-        it is ready (it compiles meanwhile) and the round must run step by step."""
-        key = self.key(len(reqs))
+    def run(self, verify: ModelInput) -> RoundOutput | None:
+        """The round whose target verify is `verify` (`[t, d1..dS]` per request), or None
+        when no bucket of it is ready (it compiles meanwhile) and the round must run step by
+        step."""
+        bs = len(verify.extend_lens)
+        key = self.key(bs)
         if key is None:
             return None
-        last = torch.tensor([r.output_ids[-1] for r in reqs], dtype=torch.long)
-        ids = torch.cat([last.unsqueeze(1), drafts], dim=1)
-        pools = [r.req_pool_idx for r in reqs]
-        prefixes = [r.num_cached for r in reqs]
+        pools, prefixes = list(verify.req_pool_indices), list(verify.prefix_lens)
         outputs = self.target.graph_runner.try_recipe(
-            key, self.recipe, lambda bucket: self._args(pools, prefixes, ids, bucket)
+            key, self.recipe, lambda bucket: self._args(pools, prefixes, verify.input_ids, bucket)
         )
         if outputs is None:
             return None
         logits, num_accepted, final, proposals = outputs
-        bs = len(reqs)
         return RoundOutput(
             VerifyResult(num_accepted[:bs].cpu(), final[:bs].cpu()),
             logits[: bs * self.width],
@@ -114,19 +110,20 @@ class CapturedRound:
         )
 
     def _args(self, pools: list[int], prefixes: list[int], ids: torch.Tensor, bucket: int):
-        """The round's arguments, the batch padded to `bucket` with the padding request."""
+        """The round's arguments, the batch padded to `bucket` with the padding request
+        (`ids`: the verify rows, `S + 1` per request)."""
         target, draft = self.target.graph_runner, self.draft.graph_runner
         pad = bucket - len(pools)
         pools = pools + [target.pad_req] * pad
         prefixes = prefixes + [0] * pad
-        ids = torch.cat([ids, ids.new_zeros((pad, self.width))]).flatten()
+        ids = torch.cat([ids, ids.new_zeros(pad * self.width)])
         full = CaptureHiddenMode.FULL
         verify_ctx = target.prepared_context(
             ForwardMode.TARGET_VERIFY, pools, prefixes, self.width, full
         )
         # the chained steps reach `num_steps - 1` positions past the extend's rows
         extend_ctx = draft.prepared_context(
-            ForwardMode.DRAFT_EXTEND, pools, prefixes, self.width, full, self.num_steps - 1
+            ForwardMode.DRAFT_EXTEND, pools, prefixes, self.width, full, reach=self.num_steps - 1
         )
         device = verify_ctx.device
         return (
@@ -137,7 +134,7 @@ class CapturedRound:
         )
 
     def _padding(self, bucket: int) -> tuple:
-        return self._args([], [], torch.zeros((0, self.width), dtype=torch.long), bucket)
+        return self._args([], [], torch.zeros(0, dtype=torch.long), bucket)
 
 
 def round_body(target: ModelRunner, draft: ModelRunner, num_steps: int):

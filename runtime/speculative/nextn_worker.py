@@ -226,24 +226,25 @@ class NextNWorker:
         a prefix, commits it, and the draft proposes the next round's tokens from the
         verified rows."""
         drafts = pending_drafts(reqs, fresh)  # [bs, S]
-        fused = self._fused_round(reqs, drafts)
+        verify = verify_input(reqs, drafts)
+        fused = self._fused_round(reqs, verify)
         if fused is not None:
             self._commit(reqs, fused.result)
             return self._round_outputs(reqs, drafts, fused.result, fused.logits, fused.next_drafts)
         bitmask = verify_bitmask(reqs, drafts, self.vocab_size)  # host work before the forward
-        out = self.target.forward(verify_input(reqs, drafts))  # [bs * (S + 1)] rows
+        out = self.target.forward(verify)  # [bs * (S + 1)] rows
         result = self._accept(reqs, drafts, out.next_token_logits, bitmask)
         self._commit(reqs, result)
         next_drafts = self.drafter.draft(redraft_batch(reqs, drafts, result, out.hidden_states))
         return self._round_outputs(reqs, drafts, result, out.next_token_logits, next_drafts)
 
-    def _fused_round(self, reqs: Sequence[Req], drafts: torch.Tensor):
+    def _fused_round(self, reqs: Sequence[Req], verify: ModelInput):
         """The round in one captured graph (`CapturedRound`) where its acceptance is greedy
         and nothing adjusts the logits; None where it runs as separate steps."""
         fused = self.captured_round
         if not fused.enabled() or not fused.serves(reqs, self.eos_ids):
             return None
-        return fused.run(reqs, drafts)
+        return fused.run(verify)
 
     def _accept(
         self,

@@ -88,13 +88,14 @@ def test_fused_round_equals_the_eager_round(family, request):
         accepted = torch.randint(0, STEPS + 1, (len(reqs),), generator=g).tolist()
         drafts = greedy_drafts(target, reqs, accepted)
         rewind = state_rewind(target.kv_pool)
-        out = target.forward(verify_input(reqs, drafts))
+        verify = verify_input(reqs, drafts)
+        out = target.forward(verify)
         eager = verify_greedy(out.next_token_logits, drafts)
         eager_drafts = drafter.draft(redraft_batch(reqs, drafts, eager, out.hidden_states))
         rewind()
         attach(True)
         assert fused.enabled()
-        got = fused.run(reqs, drafts)
+        got = fused.run(verify)
         assert got is not None, "the round's bucket is compiled inline"
         assert got.result.num_accepted.tolist() == accepted
         assert torch.equal(got.result.final_tokens, eager.final_tokens)
