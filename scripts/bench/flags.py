@@ -86,6 +86,12 @@ def add_model_args(parser: argparse.ArgumentParser, steps_sweep: bool = True) ->
         "(NEXTN is implied)",
     )
     g.add_argument(
+        "--compare-fused-round",
+        action="store_true",
+        help="NEXTN: run each NEXTN variant twice, its greedy rounds as one captured graph and "
+        "step by step (--disable-fused-nextn-round), taking turns in the same run",
+    )
+    g.add_argument(
         "--max-running-requests",
         type=int,
         default=DEFAULT_MAX_RUNNING_REQUESTS,

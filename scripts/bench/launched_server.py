@@ -54,7 +54,8 @@ class LaunchedServer:
         if args.model_path:
             cmd += ["--model-path", args.model_path]
         for name, value in (variant.spec or {}).items():
-            cmd += [f"--{name.replace('_', '-')}", str(value)]
+            flag = f"--{name.replace('_', '-')}"
+            cmd += [flag] if value is True else [flag, str(value)]  # True: a switch
         cmd += list(variant.server_flags)
         cmd += shlex.split(args.server_args)
         self.cmd, self.timeout = cmd, args.server_timeout

@@ -29,8 +29,9 @@ class Variant:
 
 def build_variants(args: argparse.Namespace) -> list[Variant]:
     """Plain first (when `--compare` or no algorithm is given), then one NEXTN variant per
-    requested step count and token map. Bad speculative flags fail here, before any weight
-    is read."""
+    requested step count and token map (with `--compare-fused-round`, each also with its
+    greedy rounds run step by step). Bad speculative flags fail here, before any weight is
+    read."""
     steps = args.speculative_num_steps
     steps = steps if isinstance(steps, list) else [steps]
     algorithm = args.speculative_algorithm or ("NEXTN" if args.compare else None)
@@ -46,8 +47,17 @@ def build_variants(args: argparse.Namespace) -> list[Variant]:
     if algorithm is not None:
         for s in steps:
             for token_map in maps:
-                variants.append(_nextn_variant(args, algorithm, s, token_map))
+                variant = _nextn_variant(args, algorithm, s, token_map)
+                variants.append(variant)
+                if getattr(args, "compare_fused_round", False):
+                    variants.append(step_by_step(variant))
     return variants
+
+
+def step_by_step(variant: Variant) -> Variant:
+    """`variant` with its greedy NEXTN rounds run as separate captured steps."""
+    label = f"{variant.label[:-1]}, step by step)"
+    return Variant(label, {**variant.spec, "disable_fused_nextn_round": True}, variant.server_flags)
 
 
 def _nextn_variant(args: argparse.Namespace, algorithm: str, steps, token_map) -> Variant:

@@ -730,3 +730,32 @@ def test_compiled_code_timer_times_inductor_calls_and_comes_off():
     finally:
         timer.remove()
     assert CompiledFxGraph.__call__ is original
+
+
+def test_compare_fused_round_adds_a_step_by_step_variant_each_server_accepts(ckpt):
+    """`--compare-fused-round`: every NEXTN variant is followed by the same one with its
+    greedy rounds run step by step; in-process engines get the setting, and a launched
+    server's command line carries it as the switch launch_server parses."""
+    from runtime.server_args import ServerArgs
+    from scripts.bench.launched_server import LaunchedServer
+    from scripts.bench.variants import build_variants
+
+    args = script("bench_serving").parse_args(
+        ["--launch-server", "--compare", "--compare-fused-round", "--model-path", str(ckpt)]
+        + ["--speculative-num-steps", "2", "3"]
+    )
+    variants = build_variants(args)
+    assert [v.label for v in variants] == [
+        "plain",
+        "NEXTN(steps=2)",
+        "NEXTN(steps=2, step by step)",
+        "NEXTN(steps=3)",
+        "NEXTN(steps=3, step by step)",
+    ]
+    for fused, split in zip(variants[1::2], variants[2::2]):
+        assert split.spec == {**fused.spec, "disable_fused_nextn_round": True}
+        for variant, disabled in ((fused, False), (split, True)):
+            cmd = LaunchedServer(args, variant).cmd
+            server = ServerArgs.from_cli(cmd[cmd.index("runtime.launch_server") + 1 :])
+            assert server.disable_fused_nextn_round is disabled
+            assert server.speculative_num_steps == variant.num_steps
