@@ -13,16 +13,18 @@ from scripts.bench.datasets import batch_prompts
 from scripts.bench.report import block_header
 from scripts.bench.variants import Variant, greedy_params
 
+FUSED_ROUND = "fused NEXTN round"
+
 
 class ForwardTimer:
     """Wraps a runner's `forward`, `draft_round` (a whole captured draft round) and
     `build_context` (instance attributes shadow the class methods, so the workers call the
-    wrappers) and sums their wall time."""
+    wrappers) and sums their wall time. `methods`: the forward methods to time (a fused
+    NEXTN round's is `run`, `CapturedRound`)."""
 
-    def __init__(self, runner):
+    def __init__(self, runner, methods: tuple[str, ...] = ("forward", "draft_round")):
         self.runner, self.forward_s, self.context_s = runner, 0.0, 0.0
-        forward = runner.forward
-        draft_round = getattr(runner, "draft_round", None)
+        self.methods = methods
         build = getattr(runner, "build_context", None)  # optional: only splits the report
 
         def timed(fn):
@@ -35,8 +37,6 @@ class ForwardTimer:
 
             return call
 
-        timed_forward = timed(forward)
-
         def timed_build(inp):
             start = time.perf_counter()
             try:
@@ -44,9 +44,10 @@ class ForwardTimer:
             finally:
                 self.context_s += time.perf_counter() - start
 
-        runner.forward = timed_forward
-        if draft_round is not None:
-            runner.draft_round = timed(draft_round)
+        for name in methods:
+            method = getattr(runner, name, None)
+            if method is not None:
+                setattr(runner, name, timed(method))
         if build is not None:
             runner.build_context = timed_build
 
@@ -54,7 +55,7 @@ class ForwardTimer:
         self.forward_s = self.context_s = 0.0
 
     def remove(self) -> None:
-        for name in ("forward", "draft_round", "build_context"):
+        for name in (*self.methods, "build_context"):
             self.runner.__dict__.pop(name, None)  # the class methods show through again
 
 
@@ -101,6 +102,9 @@ def profile_overhead(engine, variant: Variant, args) -> dict:
     timers = {"target": ForwardTimer(engine.runner)}
     if variant.spec:
         timers["draft"] = ForwardTimer(engine.worker.drafter.runner)
+        fused = engine.worker.captured_round
+        if fused.enabled():  # greedy rounds run both models in one graph
+            timers[FUSED_ROUND] = ForwardTimer(fused, ("run",))
     compiled = CompiledCodeTimer()
     try:
         reqs = [engine.make_request(prompts[0], greedy_params(output_len))]
@@ -142,7 +146,8 @@ def profile_overhead(engine, variant: Variant, args) -> dict:
         f"{wall * 1000:.1f} ms over {steps} steps ({wall / steps * 1000:.2f} ms/step)"
     )
     for name, share in report["forward_share"].items():
-        print(f"{name} runner forward: {share * 100:.1f}% of decode wall time")
+        what = "(target and draft in one graph)" if name == FUSED_ROUND else "runner forward"
+        print(f"{name} {what}: {share * 100:.1f}% of decode wall time")
     print(f"  (ForwardContext.build inside those forwards: {context / wall * 100:.1f}%)")
     if compiled.calls:
         print(

@@ -759,3 +759,21 @@ def test_compare_fused_round_adds_a_step_by_step_variant_each_server_accepts(ckp
             server = ServerArgs.from_cli(cmd[cmd.index("runtime.launch_server") + 1 :])
             assert server.disable_fused_nextn_round is disabled
             assert server.speculative_num_steps == variant.num_steps
+
+
+def test_forward_timer_times_the_named_methods_and_comes_off():
+    """`--profile-overhead` times a fused NEXTN round (`CapturedRound.run`) as a forward:
+    the timer sums the wrapped method's wall time, passes its result through, and its
+    removal leaves the class's method in place."""
+    from scripts.bench.overhead import ForwardTimer
+
+    class Round:
+        def run(self, inp):
+            time.sleep(0.02)
+            return inp + 1
+
+    fused = Round()
+    timer = ForwardTimer(fused, ("run",))
+    assert fused.run(1) == 2 and timer.forward_s >= 0.02
+    timer.remove()
+    assert "run" not in vars(fused) and fused.run(2) == 3
