@@ -10,7 +10,7 @@ import torch
 from runtime.layers.embedding import ParallelLMHead
 from runtime.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from runtime.layers.moe.experts import FusedMoEExperts
-from runtime.layers.narrow_weights import MIN_NUMEL, attach_narrow_copies
+from runtime.layers.narrow_weights import MIN_NUMEL, WIDENED_MAX_NUMEL, attach_narrow_copies
 
 
 def bf16_valued(shape, seed=0):
@@ -80,3 +80,23 @@ def test_compiled_products_read_the_copies_and_equal_the_wide_ones():
     # the compiler may fuse the widening into its own loops: rounding-level differences
     torch.testing.assert_close(narrow, wide)
     torch.testing.assert_close(narrow, eager)
+
+
+def test_products_widened_before_a_gemm_keep_large_weights_wide():
+    """A linear layer or LM head widens its whole copy into an fp32 temporary before an
+    external GEMM, which pays only while that temporary fits a core's cache: above
+    `WIDENED_MAX_NUMEL` (the default model's 4096 x 256 head) the weight stays wide. Routed
+    experts widen inside the gathered product's own kernel, so any size gets a copy."""
+    rows = WIDENED_MAX_NUMEL // 64
+    at_limit = ReplicatedLinear(64, rows)
+    at_limit.weight.data = bf16_valued((rows, 64))
+    head = ParallelLMHead(2 * rows, 64)
+    head.weight.data = bf16_valued((2 * rows, 64), seed=1)
+    moe = FusedMoEExperts(8, 256, 512)  # 8 x 1024 x 256 gate-up: 8x the limit
+    for param in moe.parameters():
+        param.data = bf16_valued(param.shape, seed=param.numel())
+    assert moe.w13_weight.numel() > WIDENED_MAX_NUMEL
+    attach_narrow_copies([at_limit, head, moe])
+    assert hasattr(at_limit, "weight_narrow")
+    assert not hasattr(head, "weight_narrow")
+    assert hasattr(moe, "w13_weight_narrow") and hasattr(moe, "w2_weight_narrow")
