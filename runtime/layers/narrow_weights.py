@@ -17,9 +17,9 @@ compiler first widens the whole copy into an fp32 temporary, which the GEMM then
 That pays while the temporary stays in the core's cache (the weight leaves memory as 2
 bytes an element), and costs more than the wide weight once it does not (2 bytes read, 4
 written, 4 read again, every call). Such modules declare `narrow_max_numel`: the default
-model's LM head (4096 x 256, a 4 MB temporary written four times a NEXTN round) measured a
-round of 4.05 ms per token with its copy against 2.83 ms reading the fp32 head, and plain
-decoding unchanged (4.82 against 4.86 ms).
+model's LM head (4096 x 256, a 4 MB temporary written four times a NEXTN round) measured
+4.05 and 3.01 ms per NEXTN token with its copy against 2.83 and 2.74 ms reading the fp32
+head (two in-process A/Bs), and plain decoding unchanged.
 
 A tensor gets a copy only when the copy is lossless (every value round-trips), so an fp32
 checkpoint, or weights a loader dequantised to values bf16 cannot hold, keep the wide path.
