@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from runtime.distributed import ParallelGroup, all_gather_last_dim, all_reduce
-from runtime.layers.narrow_weights import WIDENED_MAX_NUMEL, weight_for_product
+from runtime.layers.narrow_weights import weight_for_product
 from runtime.layers.weight_utils import copy_checked, make_param
 
 _SINGLE = ParallelGroup()
@@ -66,7 +66,6 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     # captured steps may read a bf16 copy, widened whole before the GEMM (narrow_weights)
     narrow_weight_names = ("weight",)
-    narrow_max_numel = WIDENED_MAX_NUMEL
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = F.linear(hidden, weight_for_product(self, "weight").to(hidden.dtype))
@@ -90,7 +89,6 @@ class HotVocabLMHead(nn.Module):
     """
 
     narrow_weight_names = ("weight",)
-    narrow_max_numel = WIDENED_MAX_NUMEL
 
     def __init__(self, head: ParallelLMHead, hot_ids: Sequence[int]):
         super().__init__()

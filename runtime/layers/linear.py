@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from runtime.distributed import ParallelGroup, all_gather_last_dim, all_reduce
-from runtime.layers.narrow_weights import WIDENED_MAX_NUMEL, weight_for_product
+from runtime.layers.narrow_weights import weight_for_product
 from runtime.layers.weight_utils import (
     WeightShapeError,
     copy_checked,
@@ -32,7 +32,6 @@ _SINGLE = ParallelGroup()
 class LinearBase(nn.Module):
     # captured steps may read a bf16 copy, widened whole before the GEMM (narrow_weights)
     narrow_weight_names = ("weight",)
-    narrow_max_numel = WIDENED_MAX_NUMEL
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False, params_dtype=None):
         super().__init__()

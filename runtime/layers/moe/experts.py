@@ -47,7 +47,9 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float | None) -> torch.T
 
 class FusedMoEExperts(nn.Module):
     # captured steps may read bf16 copies (narrow_weights), gathered per pair then widened
+    # inside the product's own kernel, so no fp32 temporary bounds their size
     narrow_weight_names = ("w13_weight", "w2_weight")
+    narrow_max_numel = None
 
     def __init__(
         self,
