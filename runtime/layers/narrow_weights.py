@@ -21,7 +21,8 @@ elements, `WIDENED_MAX_NUMEL` unless the module sets it (None: no limit, for pro
 that widen inside their own kernel, as the routed experts do): the default
 model's LM head (4096 x 256, a 4 MB temporary written four times a NEXTN round) measured
 4.05 and 3.01 ms per NEXTN token with its copy against 2.83 and 2.74 ms reading the fp32
-head (two in-process A/Bs), and plain decoding unchanged.
+head (two one-off in-process A/Bs; docs/captured_decode.md section 3), and plain decoding
+unchanged.
 
 A tensor gets a copy only when the copy is lossless (every value round-trips), so an fp32
 checkpoint, or weights a loader dequantised to values bf16 cannot hold, keep the wide path.
