@@ -41,9 +41,10 @@ TILE_ROWS = 32  # prefill rows sharing one gathered key window (see tiled_sink_a
 EntryCount = Callable[[int, int], int]  # (ratio, entries needed) -> entries laid out
 
 
-def compressor_overlap(ratio: int) -> int:
-    """Blocks pooled per compressed entry: ratio-4 windows overlap the previous block."""
-    return 2 if ratio == 4 else 1
+def compressor_overlap(sparse: bool) -> int:
+    """Blocks pooled per compressed entry: a CSA (sparse) entry's window overlaps the
+    previous block; an HCA entry pools its own block alone."""
+    return 2 if sparse else 1
 
 
 def topk_lengths(ctx: ForwardContext, ratio: int, visible: torch.Tensor) -> torch.Tensor:
@@ -141,7 +142,7 @@ def uniform_metadata(
     )
     compress = {}
     for ratio in pool.ratios:
-        span, sring = compressor_overlap(ratio) * ratio, pool.state_ring(ratio)
+        span, sring = pool.overlap(ratio) * ratio, pool.state_ring(ratio)
         state_pos = positions[:, None] - np.arange(span - 1, -1, -1)
         entry_pos = positions // ratio * ratio
         loc = _compressed_loc(pool, ratio)
@@ -206,7 +207,7 @@ def uniform_metadata_torch(
 
     compress = {}
     for ratio in pool.ratios:
-        span, sring = compressor_overlap(ratio) * ratio, pool.state_ring(ratio)
+        span, sring = pool.overlap(ratio) * ratio, pool.state_ring(ratio)
         state_pos = positions.unsqueeze(1) - torch.arange(span - 1, -1, -1, device=device)
         entry_pos = positions // ratio * ratio
         first_slot = ctx.req_to_token[row_slot, entry_pos]
@@ -320,7 +321,7 @@ def window_access(ctx: ForwardContext, pool, tiles: QueryTiles) -> WindowAccess:
 def compress_access(ctx: ForwardContext, pool, ratio: int, tiles: QueryTiles) -> CompressAccess:
     device, pos = ctx.device, ctx.positions
     boundary_rows = ((pos + 1) % ratio == 0).nonzero().squeeze(1)
-    span = compressor_overlap(ratio) * ratio
+    span = pool.overlap(ratio) * ratio
     key_pos = pos[boundary_rows].unsqueeze(1) - torch.arange(span - 1, -1, -1, device=device)
     ring = pool.state_ring(ratio)
     state = ring_access(ctx, boundary_rows, key_pos, ring, pool.req_slots * ring)

@@ -53,7 +53,9 @@ class DeepseekV4CacheLayout:
     head_dim: int
     index_head_dim: int
     sliding_window: int
-    indexer_ratio: int = 4  # layers with this ratio also carry the lightning indexer
+    # the CSA layers' ratio: layers with it carry the lightning indexer, and their
+    # compressor windows overlap (HCA layers must use another ratio)
+    indexer_ratio: int = 4
 
     def has_indexer(self, layer: int) -> bool:
         return self.compress_ratios[layer] == self.indexer_ratio
@@ -108,14 +110,18 @@ class DeepseekV4KVPool(RequestStateSnapshots):
         """The compress ratios some layer uses, ascending."""
         return sorted({r for r in self.layout.compress_ratios if r > 1})
 
+    def overlap(self, ratio: int) -> int:
+        """Blocks pooled per entry at `ratio`: the CSA layers' ratio overlaps."""
+        return compressor_overlap(ratio == self.layout.indexer_ratio)
+
     def state_ring(self, ratio: int) -> int:
-        return compressor_overlap(ratio) * ratio + self.max_pass
+        return self.overlap(ratio) * ratio + self.max_pass
 
     def compressed_rows_per_page(self, ratio: int) -> int:
         return -(-self.page_size // ratio)
 
     def _state_buffer(self, ratio: int, dim: int) -> torch.Tensor:
-        width = 2 * compressor_overlap(ratio) * dim
+        width = 2 * self.overlap(ratio) * dim
         return torch.zeros(
             (self.req_slots * self.state_ring(ratio), width),
             dtype=torch.float32,

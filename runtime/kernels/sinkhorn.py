@@ -12,11 +12,15 @@ many rows (prefill) the torch path lays the matrices out along the last dimensio
 matrices at once instead of a reduction over a strided 4-element axis: several times
 faster at thousands of rows, and bit-identical (the same additions in the same order).
 A captured step (host code cannot be captured) runs the torch reference, which the
-compiler fuses.
+compiler fuses, except for a single stream (`hc_mult = 1`): there every sum is over one
+element, the compiler turns each into an element-wise step and inlines the 40 passes of
+`c / (c + eps)` into one expression that doubles with every pass (its compile never
+ends), and the result is a constant anyway (the softmax of one logit is 1).
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from runtime.core.capture import in_capture
@@ -55,8 +59,21 @@ def _sinkhorn_rows_last(logits: torch.Tensor, iters: int, eps: float) -> torch.T
     return comb.permute(2, 0, 1).contiguous().view(shape)
 
 
+def single_stream_value(iters: int, eps: float) -> float:
+    """`sinkhorn_reference` of a 1 x 1 matrix, whatever its logit: the same fp32 steps on
+    the host (softmax 1, plus eps, then `2 * iters - 1` passes of `c / (c + eps)`)."""
+    eps32 = np.float32(eps)
+    comb = np.float32(1) + eps32
+    for _ in range(2 * iters - 1):
+        comb = comb / (comb + eps32)
+    return float(comb)
+
+
 def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     if in_capture():
+        if logits.shape[-1] == 1:
+            value = single_stream_value(iters, eps)
+            return torch.full_like(logits, value, dtype=torch.float32)
         return sinkhorn_reference(logits, iters, eps)
     rows = logits.numel() // (logits.shape[-1] * logits.shape[-2])
     if logits.device.type == "cpu" and rows <= _NUMPY_MAX_ROWS and not torch.is_grad_enabled():

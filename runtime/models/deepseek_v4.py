@@ -21,7 +21,7 @@ from torch import nn
 from runtime.cache.deepseek_v4_pool import DeepseekV4CacheLayout, DeepseekV4KVPool
 from runtime.core.forward_context import ForwardContext
 from runtime.distributed import Mapping, all_reduce
-from runtime.layers.attention.deepseek_v4 import DeepseekV4Attention, RopeInputs
+from runtime.layers.attention.deepseek_v4 import DeepseekV4Attention, RopeInputs, sparse_ratio
 from runtime.layers.embedding import VocabParallelEmbedding
 from runtime.layers.hyper_connection import hc_head, hc_post, hc_pre
 from runtime.layers.mlp import SwiGLUMLP
@@ -43,7 +43,17 @@ def compress_ratio_of(config, layer_id: int) -> int:
     `compress_ratios` list when the config has one, else are window-only."""
     if layer_id < config.num_hidden_layers:
         layer_type = config.layer_types[layer_id]
-        return config.compress_rates[layer_type] if layer_type in _LAYER_TYPE_RATIO_KEYS else 0
+        if layer_type not in _LAYER_TYPE_RATIO_KEYS:
+            return 0
+        ratio = config.compress_rates[layer_type]
+        if layer_type == "heavily_compressed_attention" and ratio == sparse_ratio(config):
+            # a layer's kind is known from its ratio alone (caches and metadata are keyed
+            # by it), and the kinds differ: CSA windows overlap and carry the indexer
+            raise ValueError(
+                "compress_rates: heavily_compressed_attention layers need a ratio other "
+                f"than compressed_sparse_attention's ({ratio})"
+            )
+        return ratio
     ratios = getattr(config, "compress_ratios", None)
     return int(ratios[layer_id]) if ratios and layer_id < len(ratios) else 0
 
@@ -75,7 +85,7 @@ def cache_layout_of(config, layer_ids: Iterable[int]) -> DeepseekV4CacheLayout:
         head_dim=config.head_dim,
         index_head_dim=config.index_head_dim,
         sliding_window=config.sliding_window,
-        indexer_ratio=config.compress_rates["compressed_sparse_attention"],
+        indexer_ratio=sparse_ratio(config),
     )
 
 
@@ -119,10 +129,12 @@ class DeepseekV4MoE(nn.Module):
             combine=mapping.moe.combine,
             reduce_results=not self.fused_reduction,
         )
-        shared_width = config.moe_intermediate_size * max(1, getattr(config, "n_shared_experts", 1))
+        # one shared expert of the routed experts' width whatever `n_shared_experts` says,
+        # as transformers' `DeepseekV4MoE` builds it (its config maps `intermediate_size`
+        # to `moe_intermediate_size`); the released checkpoints have one
         self.shared_experts = SwiGLUMLP(
             config.hidden_size,
-            shared_width,
+            config.moe_intermediate_size,
             tp=mapping.attn.tp,
             swiglu_limit=config.swiglu_limit,
             reduce_results=not self.fused_reduction,

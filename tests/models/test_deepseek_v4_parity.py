@@ -289,3 +289,71 @@ def test_all_tied_indexer_greedy_follows_transformers_generate(all_tied_v4):
                 pad_token_id=0,
             )
         assert result["output_ids"] == out[0, len(ids) :].tolist()
+
+
+# other shapes of the architecture ----------------------------------------------------------
+
+OTHER_CONFIGS = {
+    # CSA at ratio 2 (not 4) and HCA at 8: the layer's kind, not its ratio, decides the
+    # overlapping compressor windows and the indexer
+    "csa2_hca8": dict(
+        sliding_window=6,
+        index_topk=4,
+        compress_rates={"compressed_sparse_attention": 2, "heavily_compressed_attention": 8},
+    ),
+    # HCA at a lower ratio than CSA, two shared experts (transformers builds one of the
+    # routed width), top-1 routing, wider heads in more output groups, no hash layer
+    "csa8_hca4": dict(
+        num_hidden_layers=3,
+        layer_types=[
+            "compressed_sparse_attention",
+            "sliding_attention",
+            "heavily_compressed_attention",
+        ],
+        compress_rates={"compressed_sparse_attention": 8, "heavily_compressed_attention": 4},
+        num_attention_heads=8,
+        o_groups=4,
+        head_dim=32,
+        qk_rope_head_dim=16,
+        num_experts_per_tok=1,
+        n_shared_experts=2,
+        num_hash_layers=0,
+        scoring_func="sigmoid",
+    ),
+    # one residual stream, every MLP hashed
+    "hc1_all_hash": dict(hc_mult=1, num_hash_layers=4, sliding_window=5),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(OTHER_CONFIGS))
+def other_v4(request, tmp_path_factory):
+    from tests.tiny_checkpoints import build_tiny_v4_checkpoint
+
+    overrides = OTHER_CONFIGS[request.param]
+    return build_tiny_v4_checkpoint(tmp_path_factory.mktemp(request.param), seed=2, **overrides)
+
+
+def test_other_configs_prefill_and_decode_match_transformers(other_v4):
+    """Whole-prompt prefill in pages of 3, then each row decoded one by one in a fresh
+    request: every row's logits equal transformers' on the full sequence."""
+    path, hf = other_v4
+    ids = random_ids(60, seed=3)
+    assert_prefill_matches_transformers(path, hf, ids, page_size=3)
+    runner, table = make_runner(path, page_size=3)
+    ref = hf_logits(hf, ids)
+    req = table.open_request()
+    table.reserve(req, len(ids))
+    for t in range(len(ids)):
+        out = runner.forward(ModelInput(ForwardMode.DECODE, ids[t : t + 1], [req], [t], [1]))
+        torch.testing.assert_close(
+            out.next_token_logits[0], ref[t], atol=ATOL, rtol=0, msg=lambda m, t=t: f"step {t}: {m}"
+        )
+
+
+def test_equal_csa_and_hca_ratios_are_refused_by_name(tmp_path):
+    from tests.tiny_checkpoints import build_tiny_v4_checkpoint
+
+    rates = {"compressed_sparse_attention": 4, "heavily_compressed_attention": 4}
+    path, _ = build_tiny_v4_checkpoint(tmp_path, compress_rates=rates)
+    with pytest.raises(ValueError, match="compress_rates"):
+        make_runner(path)

@@ -71,19 +71,27 @@ class RopeInputs:
 # ---------------------------------------------------------------------------------------
 
 
+def sparse_ratio(config) -> int:
+    """The compress ratio of the CSA layers (`compressed_sparse_attention`): caches and
+    metadata are keyed by ratio, so this ratio marks a layer as CSA (indexer, overlapping
+    compressor windows) wherever the layer type is not at hand (the pool, MTP layers)."""
+    return config.compress_rates["compressed_sparse_attention"]
+
+
 class DeepseekV4Compressor(nn.Module):
     """Gated pooling of each block of `ratio` tokens into one `dim`-wide entry (transformers'
     `DeepseekV4CSACompressor` / `DeepseekV4HCACompressor`).
 
-    Ratio 4 pools 8 rows: the previous block's first channel half and this block's second
-    half. The per-token `[kv | gate + ape]` rows live in the state ring; an entry is made when
-    its block's last token is processed, then RMS-normed and rotated at the block's first
-    position.
+    A CSA compressor (`overlap` 2) pools `2 * ratio` rows: the previous block's first
+    channel half and this block's second half; an HCA compressor (`overlap` 1) pools its
+    block's `ratio` rows. The per-token `[kv | gate + ape]` rows live in the state ring; an
+    entry is made when its block's last token is processed, then RMS-normed and rotated at
+    the block's first position.
     """
 
-    def __init__(self, hidden_size: int, dim: int, ratio: int, eps: float):
+    def __init__(self, hidden_size: int, dim: int, ratio: int, eps: float, sparse: bool):
         super().__init__()
-        self.dim, self.ratio, self.overlap = dim, ratio, compressor_overlap(ratio)
+        self.dim, self.ratio, self.overlap = dim, ratio, compressor_overlap(sparse)
         width = self.overlap * dim
         self.fused_wkv_wgate = MergedColumnParallelLinear(hidden_size, [width, width])
         self.ape = make_param((ratio, width), torch.float32)
@@ -169,7 +177,7 @@ class DeepseekV4Indexer(nn.Module):
         self.wq_b = ReplicatedLinear(config.q_lora_rank, self.num_heads * self.head_dim, bias=False)
         self.weights_proj = ReplicatedLinear(config.hidden_size, self.num_heads, bias=False)
         self.compressor = DeepseekV4Compressor(
-            config.hidden_size, self.head_dim, ratio, config.rms_norm_eps
+            config.hidden_size, self.head_dim, ratio, config.rms_norm_eps, sparse=True
         )
 
     def queries(self, qr: torch.Tensor, rope: RopeInputs) -> torch.Tensor:
@@ -268,12 +276,16 @@ class DeepseekV4Attention(nn.Module):
         self.wo_a = ColumnParallelLinear(group_in, groups * self.o_lora_rank, tp=tp)
         self.wo_b = RowParallelLinear(groups * self.o_lora_rank, config.hidden_size, tp=tp)
         self.attn_sink = sharded_param((heads,), 0, tp.rank, tp.size, torch.float32)
+        # CSA layers (the sparse ratio) carry the indexer and overlapping compressor windows
+        sparse = compress_ratio > 1 and compress_ratio == sparse_ratio(config)
         self.compressor = (
-            DeepseekV4Compressor(config.hidden_size, self.head_dim, compress_ratio, self.eps)
+            DeepseekV4Compressor(
+                config.hidden_size, self.head_dim, compress_ratio, self.eps, sparse
+            )
             if compress_ratio > 1
             else None
         )
-        self.indexer = DeepseekV4Indexer(config, compress_ratio) if compress_ratio == 4 else None
+        self.indexer = DeepseekV4Indexer(config, compress_ratio) if sparse else None
 
     # `project` and `output` are pure tensor math; `forward` does the cache reads and writes
     # between them.
