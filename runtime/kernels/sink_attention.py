@@ -52,6 +52,10 @@ def to_tiles(rows: torch.Tensor, tile_rows: torch.Tensor) -> torch.Tensor:
     return torch.cat([rows, rows.new_zeros(1, *rows.shape[1:])])[tile_rows]
 
 
+# PyTorch's fused CPU attention kernel, which also returns each row's log-sum-exp
+HAS_CPU_FLASH = hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
+
+
 def tiled_sink_attention(
     q: torch.Tensor,
     tile_rows: torch.Tensor,
@@ -76,11 +80,84 @@ def tiled_sink_attention(
     `tile_kv [N, Kt, D]`, `tile_valid [N, R, Kt]`; `row_kv [T, Kr, D]`, `row_valid [T, Kr]`
     (or None). Products run in the input dtype, softmax statistics in fp32.
 
-    The scores and probabilities (`[N, R, H, K]`, the large tensors) stay in the tile
-    layout from the product to the softmax and back into the second product; only the
-    queries go in and the outputs come out through the row <-> tile gathers. A padding row
-    of a short tile sees no key (its scores are all masked, so its probabilities are
-    the sink's alone) and its output is dropped.
+    On CPU the shared keys go through PyTorch's fused flash-attention kernel
+    (`tiled_sink_attention_flash`); elsewhere, and where that kernel is missing, through
+    two batched products around a softmax (`tiled_sink_attention_bmm`)."""
+    args = (q, tile_rows, row_slot, tile_kv, tile_valid, row_kv, row_valid, sink, scale)
+    if q.device.type == "cpu" and HAS_CPU_FLASH:
+        return tiled_sink_attention_flash(*args)
+    return tiled_sink_attention_bmm(*args)
+
+
+def tiled_sink_attention_flash(
+    q: torch.Tensor,
+    tile_rows: torch.Tensor,
+    row_slot: torch.Tensor,
+    tile_kv: torch.Tensor,
+    tile_valid: torch.Tensor,
+    row_kv: torch.Tensor | None,
+    row_valid: torch.Tensor | None,
+    sink: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """`tiled_sink_attention` with the tile's keys in PyTorch's CPU flash-attention kernel
+    (`aten::_scaled_dot_product_flash_attention_for_cpu`, the kernel behind
+    `scaled_dot_product_attention` on CPU), which never writes the `[N, R, H, K]` scores
+    and returns each row's log-sum-exp `l` beside its output `o` (normalised over the
+    tile's keys alone). The sink and the row's own keys then join through the log-sum-exp,
+    as flash-decoding merges the partial results of key splits (Dao et al.):
+
+        L = log(exp(l) + sum_j exp(z_j) + exp(sink))      z_j the row's own scores
+        out = o * exp(l - L) + sum_j exp(z_j - L) v_j
+
+    With no own keys this is `o * sigmoid(l - sink)`. Each tile is one batch entry of the
+    kernel, its rows the queries of each head; the single latent is both key and value,
+    broadcast over the heads (a stride-0 view, no copy). A row that sees no tile key gets
+    `l = -inf` (the kernel reports 0 for it). Statistics are fp32 in the kernel and here.
+    """
+    num_tiles, tile_len = tile_rows.shape
+    heads, dim = q.shape[1:]
+    tile_q = to_tiles(q, tile_rows).transpose(1, 2)  # [N, H, R, D]
+    keys = tile_kv.unsqueeze(1).expand(num_tiles, heads, tile_kv.shape[1], dim)
+    bias = mask_bias(tile_valid).unsqueeze(1)  # [N, 1, R, K]: one mask for all heads
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        tile_q, keys, keys, attn_mask=bias, scale=scale
+    )
+    lse = lse.masked_fill(~tile_valid.any(-1).unsqueeze(1), float("-inf"))  # [N, H, R]
+    out = out.transpose(1, 2).reshape(num_tiles * tile_len, heads, dim)[row_slot]
+    lse = lse.transpose(1, 2).reshape(num_tiles * tile_len, heads)[row_slot]  # [T, H]
+    sink = sink.float().view(1, heads)
+    if row_kv is None:
+        return (out.float() * torch.sigmoid(lse - sink).unsqueeze(-1)).to(q.dtype)
+    # the rows' own keys in fp32: few per row, and CPU products of bf16 batches this
+    # small are several times slower than fp32 ones
+    row_kv = row_kv.float()
+    row_scores = torch.bmm(q.float(), row_kv.transpose(1, 2)).mul_(scale)
+    row_scores = row_scores.masked_fill_(~row_valid.unsqueeze(1), float("-inf"))  # [T, H, Kr]
+    parts = [lse.unsqueeze(-1), row_scores, sink.expand(lse.shape[0], heads).unsqueeze(-1)]
+    total = torch.logsumexp(torch.cat(parts, dim=-1), dim=-1, keepdim=True)  # [T, H, 1]
+    shared = out.float() * torch.exp(lse.unsqueeze(-1) - total)
+    own = torch.bmm(torch.exp(row_scores - total), row_kv)
+    return (shared + own).to(q.dtype)
+
+
+def tiled_sink_attention_bmm(
+    q: torch.Tensor,
+    tile_rows: torch.Tensor,
+    row_slot: torch.Tensor,
+    tile_kv: torch.Tensor,
+    tile_valid: torch.Tensor,
+    row_kv: torch.Tensor | None,
+    row_valid: torch.Tensor | None,
+    sink: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """`tiled_sink_attention` as two batched products around a softmax. The scores and
+    probabilities (`[N, R, H, K]`, the large tensors) stay in the tile layout from the
+    product to the softmax and back into the second product; only the queries go in and
+    the outputs come out through the row <-> tile gathers. A padding row of a short tile
+    sees no key (its scores are all masked, so its probabilities are the sink's alone) and
+    its output is dropped.
     """
     num_rows, heads, dim = q.shape
     num_tiles, tile_len = tile_rows.shape

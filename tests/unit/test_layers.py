@@ -11,7 +11,13 @@ from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf_v4
 
 from runtime.distributed import ParallelGroup
 from runtime.kernels.grouped_gemm import grouped_gemm, grouped_gemm_reference
-from runtime.kernels.sink_attention import sink_attention, tiled_sink_attention, to_tiles
+from runtime.kernels.sink_attention import (
+    sink_attention,
+    tiled_sink_attention,
+    tiled_sink_attention_bmm,
+    tiled_sink_attention_flash,
+    to_tiles,
+)
 from runtime.layers import embedding as embedding_mod
 from runtime.layers import linear as linear_mod
 from runtime.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -309,11 +315,15 @@ def test_sink_attention_matches_explicit_softmax():
             torch.testing.assert_close(out[t, h], p @ keys)
 
 
+@pytest.mark.parametrize("kernel", [tiled_sink_attention_bmm, tiled_sink_attention_flash])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_rows", [False, True])
-def test_tiled_sink_attention_equals_per_row_keys(dtype, with_rows):
+def test_tiled_sink_attention_equals_per_row_keys(kernel, dtype, with_rows):
     """Tiles of 3 rows over a ragged layout (a short tile pads with row T): every row's
-    result equals plain sink attention over its tile's keys followed by its own keys."""
+    result equals plain sink attention over its tile's keys followed by its own keys, with
+    both implementations (the CPU flash kernel merging the sink and the own keys through
+    its log-sum-exp, and the batched products). Row 1 sees none of its tile's keys; row 4
+    sees no key at all (its output is the sink's alone: zero)."""
     gen = torch.Generator().manual_seed(0)
     num_rows, heads, dim, tile_width, own = 7, 2, 8, 5, 3
     tile_rows = torch.tensor([[0, 1, 2], [3, 4, 7], [5, 6, 7]])  # rows 3-4 and 5-6 end short
@@ -323,10 +333,13 @@ def test_tiled_sink_attention_equals_per_row_keys(dtype, with_rows):
     tile_valid = torch.rand(3, 3, tile_width, generator=gen) > 0.3
     row_kv = torch.randn(num_rows, own, dim, generator=gen).to(dtype) if with_rows else None
     row_valid = torch.rand(num_rows, own, generator=gen) > 0.3 if with_rows else None
+    tile_valid[0, 1] = False  # row 1
+    tile_valid[1, 1] = False  # row 4
+    if with_rows:
+        row_valid[1] = True
+        row_valid[4] = False
     sink = torch.randn(heads, generator=gen)
-    out = tiled_sink_attention(
-        q, tile_rows, row_slot, tile_kv, tile_valid, row_kv, row_valid, sink, 0.3
-    )
+    out = kernel(q, tile_rows, row_slot, tile_kv, tile_valid, row_kv, row_valid, sink, 0.3)
     tile_of, lane_of = row_slot // 3, row_slot % 3
     keys, valid = tile_kv[tile_of], tile_valid[tile_of, lane_of]
     if with_rows:
@@ -334,6 +347,11 @@ def test_tiled_sink_attention_equals_per_row_keys(dtype, with_rows):
     expected = sink_attention(q, keys, valid, sink, scale=0.3)
     tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
     torch.testing.assert_close(out.float(), expected.float(), **tol)
+    assert not out[4].any()
+    dispatched = tiled_sink_attention(
+        q, tile_rows, row_slot, tile_kv, tile_valid, row_kv, row_valid, sink, 0.3
+    )
+    torch.testing.assert_close(dispatched.float(), expected.float(), **tol)
     tile_q = to_tiles(q.float(), tile_rows).view(3, -1, dim)  # one product per tile
     scores = torch.bmm(tile_q, tile_kv.float().transpose(1, 2)).view(9, heads, -1)[row_slot]
     torch.testing.assert_close(

@@ -28,6 +28,7 @@ reduces, and the indexer (one key head) is replicated so every rank selects the 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from runtime.cache.qwen4_exp_metadata import (
@@ -221,13 +222,19 @@ class QSAAttention(nn.Module):
             in_block = selected[:, keys.key_block]  # [T, L]
             in_tail = keys.positions.unsqueeze(0) >= keys.tail_start.unsqueeze(1)
             allowed = allowed & (in_block | in_tail)
-        k, v = pool.k_cache[layer][keys.slots], pool.v_cache[layer][keys.slots]
-        groups = self.num_heads // self.num_kv_heads
-        qg = q.view(q.shape[0], self.num_kv_heads, groups, self.head_dim)
-        scores = torch.einsum("tkgd,lkd->tkgl", qg.float(), k.float()) * self.head_dim**-0.5
-        scores = scores.masked_fill(~allowed.view(allowed.shape[0], 1, 1, -1), float("-inf"))
-        out = torch.einsum("tkgl,lkd->tkgd", torch.softmax(scores, dim=-1), v.float())
-        return out.reshape(q.shape).to(q.dtype)
+        k, v = pool.k_cache[layer][keys.slots], pool.v_cache[layer][keys.slots]  # [L, KV, d]
+        # one fused attention over the chunk's rows (PyTorch's SDPA: on CPU its flash
+        # kernel, which never writes the [T, heads, L] scores); query head h reads key
+        # head h // (heads / kv_heads), and every row sees at least its own key
+        out = F.scaled_dot_product_attention(
+            q.float().transpose(0, 1).unsqueeze(0),
+            k.float().transpose(0, 1).unsqueeze(0),
+            v.float().transpose(0, 1).unsqueeze(0),
+            attn_mask=allowed.view(1, 1, *allowed.shape),
+            scale=self.head_dim**-0.5,
+            enable_gqa=True,
+        )  # [1, heads, T, d]
+        return out[0].transpose(0, 1).reshape(q.shape).to(q.dtype)
 
     def _attend_uniform(
         self, x, q, ctx: ForwardContext, cos, sin, meta: Qwen4ExpUniformMetadata, spec_step_idx
