@@ -10,6 +10,8 @@ The sink only adds to the denominator. Softmax statistics are fp32.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 
@@ -46,6 +48,22 @@ def mask_bias(valid: torch.Tensor) -> torch.Tensor:
     )
 
 
+@dataclass(frozen=True)
+class TileKeys:
+    """The keys of prefill rows laid out in tiles of `R` consecutive rows: keys shared by a
+    tile's rows, and (optionally) keys of each row alone."""
+
+    rows: torch.Tensor  # [N, R] the rows of each tile (`T` pads a short tile)
+    row_slot: torch.Tensor  # [T] each row's index in the flattened [N * R] tile layout
+    kv: torch.Tensor  # [N, Kt, D] keys shared by a tile's rows
+    valid: torch.Tensor  # [N, R, Kt]
+    row_kv: torch.Tensor | None = None  # [T, Kr, D] keys of each row alone
+    row_valid: torch.Tensor | None = None  # [T, Kr]
+
+    def unpack(self):
+        return self.rows, self.row_slot, self.kv, self.valid, self.row_kv, self.row_valid
+
+
 def to_tiles(rows: torch.Tensor, tile_rows: torch.Tensor) -> torch.Tensor:
     """Per-row `[T, ...]` -> per-tile `[N, R, ...]` (`tile_rows [N, R]` the row of each tile
     lane, `T` for a short tile's padding lane, which reads zeros)."""
@@ -57,15 +75,7 @@ HAS_CPU_FLASH = hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for
 
 
 def tiled_sink_attention(
-    q: torch.Tensor,
-    tile_rows: torch.Tensor,
-    row_slot: torch.Tensor,
-    tile_kv: torch.Tensor,
-    tile_valid: torch.Tensor,
-    row_kv: torch.Tensor | None,
-    row_valid: torch.Tensor | None,
-    sink: torch.Tensor,
-    scale: float,
+    q: torch.Tensor, keys: TileKeys, sink: torch.Tensor, scale: float
 ) -> torch.Tensor:
     """Sink attention whose keys come in two parts: keys shared by a tile of rows, and keys
     of each row alone. Same result as `sink_attention` on the concatenation
@@ -75,30 +85,19 @@ def tiled_sink_attention(
     the same window. Gathering it once per tile of `R` consecutive rows instead of once per
     row cuts the gathered keys by about `R` (the tile's window is `R - 1` keys longer).
 
-    `q [T, H, D]`; `tile_rows [N, R]` the rows of each tile (`T` pads a short tile);
-    `row_slot [T]` each row's index in the flattened `[N * R]` tile layout;
-    `tile_kv [N, Kt, D]`, `tile_valid [N, R, Kt]`; `row_kv [T, Kr, D]`, `row_valid [T, Kr]`
-    (or None). Products run in the input dtype, softmax statistics in fp32.
+    `q [T, H, D]`, the keys as `TileKeys`. Products run in the input dtype, softmax
+    statistics in fp32.
 
     On CPU the shared keys go through PyTorch's fused flash-attention kernel
     (`tiled_sink_attention_flash`); elsewhere, and where that kernel is missing, through
     two batched products around a softmax (`tiled_sink_attention_bmm`)."""
-    args = (q, tile_rows, row_slot, tile_kv, tile_valid, row_kv, row_valid, sink, scale)
     if q.device.type == "cpu" and HAS_CPU_FLASH:
-        return tiled_sink_attention_flash(*args)
-    return tiled_sink_attention_bmm(*args)
+        return tiled_sink_attention_flash(q, keys, sink, scale)
+    return tiled_sink_attention_bmm(q, keys, sink, scale)
 
 
 def tiled_sink_attention_flash(
-    q: torch.Tensor,
-    tile_rows: torch.Tensor,
-    row_slot: torch.Tensor,
-    tile_kv: torch.Tensor,
-    tile_valid: torch.Tensor,
-    row_kv: torch.Tensor | None,
-    row_valid: torch.Tensor | None,
-    sink: torch.Tensor,
-    scale: float,
+    q: torch.Tensor, keys: TileKeys, sink: torch.Tensor, scale: float
 ) -> torch.Tensor:
     """`tiled_sink_attention` with the tile's keys in PyTorch's CPU flash-attention kernel
     (`aten::_scaled_dot_product_flash_attention_for_cpu`, the kernel behind
@@ -115,13 +114,14 @@ def tiled_sink_attention_flash(
     broadcast over the heads (a stride-0 view, no copy). A row that sees no tile key gets
     `l = -inf` (the kernel reports 0 for it). Statistics are fp32 in the kernel and here.
     """
+    tile_rows, row_slot, tile_kv, tile_valid, row_kv, row_valid = keys.unpack()
     num_tiles, tile_len = tile_rows.shape
     heads, dim = q.shape[1:]
     tile_q = to_tiles(q, tile_rows).transpose(1, 2)  # [N, H, R, D]
-    keys = tile_kv.unsqueeze(1).expand(num_tiles, heads, tile_kv.shape[1], dim)
+    shared = tile_kv.unsqueeze(1).expand(num_tiles, heads, tile_kv.shape[1], dim)
     bias = mask_bias(tile_valid).unsqueeze(1)  # [N, 1, R, K]: one mask for all heads
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        tile_q, keys, keys, attn_mask=bias, scale=scale
+        tile_q, shared, shared, attn_mask=bias, scale=scale
     )
     lse = lse.masked_fill(~tile_valid.any(-1).unsqueeze(1), float("-inf"))  # [N, H, R]
     out = out.transpose(1, 2).reshape(num_tiles * tile_len, heads, dim)[row_slot]
@@ -136,21 +136,12 @@ def tiled_sink_attention_flash(
     row_scores = row_scores.masked_fill_(~row_valid.unsqueeze(1), float("-inf"))  # [T, H, Kr]
     parts = [lse.unsqueeze(-1), row_scores, sink.expand(lse.shape[0], heads).unsqueeze(-1)]
     total = torch.logsumexp(torch.cat(parts, dim=-1), dim=-1, keepdim=True)  # [T, H, 1]
-    shared = out.float() * torch.exp(lse.unsqueeze(-1) - total)
     own = torch.bmm(torch.exp(row_scores - total), row_kv)
-    return (shared + own).to(q.dtype)
+    return (out.float() * torch.exp(lse.unsqueeze(-1) - total) + own).to(q.dtype)
 
 
 def tiled_sink_attention_bmm(
-    q: torch.Tensor,
-    tile_rows: torch.Tensor,
-    row_slot: torch.Tensor,
-    tile_kv: torch.Tensor,
-    tile_valid: torch.Tensor,
-    row_kv: torch.Tensor | None,
-    row_valid: torch.Tensor | None,
-    sink: torch.Tensor,
-    scale: float,
+    q: torch.Tensor, keys: TileKeys, sink: torch.Tensor, scale: float
 ) -> torch.Tensor:
     """`tiled_sink_attention` as two batched products around a softmax. The scores and
     probabilities (`[N, R, H, K]`, the large tensors) stay in the tile layout from the
@@ -159,7 +150,8 @@ def tiled_sink_attention_bmm(
     sees no key (its scores are all masked, so its probabilities are the sink's alone) and
     its output is dropped.
     """
-    num_rows, heads, dim = q.shape
+    tile_rows, row_slot, tile_kv, tile_valid, row_kv, row_valid = keys.unpack()
+    heads, dim = q.shape[1:]
     num_tiles, tile_len = tile_rows.shape
     width = tile_kv.shape[1]
     tile_q = to_tiles(q, tile_rows)  # [N, R, H, D]

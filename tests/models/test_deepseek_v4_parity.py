@@ -16,7 +16,7 @@ from runtime.cache import PagedTokenAllocator, ReqToTokenPool, SlotTable
 from runtime.configs.model_config import ModelConfig
 from runtime.core.forward_mode import CaptureHiddenMode, ForwardMode
 from runtime.execution.model_runner import ModelInput
-from tests.runners import load_runner
+from tests.runners import assert_decode_matches, load_runner
 
 ATOL = 1e-4
 
@@ -69,13 +69,7 @@ def test_token_by_token_decode_matches_full_sequence(tiny_v4, page_size):
     runner, table = make_runner(path, page_size)
     ids = random_ids(56, seed=2)
     ref = hf_logits(hf, ids)
-    req = table.open_request()
-    table.reserve(req, len(ids))
-    for t in range(len(ids)):
-        out = runner.forward(ModelInput(ForwardMode.DECODE, ids[t : t + 1], [req], [t], [1]))
-        torch.testing.assert_close(
-            out.next_token_logits[0], ref[t], atol=ATOL, rtol=0, msg=lambda m, t=t: f"step {t}: {m}"
-        )
+    assert_decode_matches(runner, table, ids, ref, ATOL)
 
 
 def test_chunked_prefill_equals_one_shot(tiny_v4):
@@ -341,13 +335,7 @@ def test_other_configs_prefill_and_decode_match_transformers(other_v4):
     assert_prefill_matches_transformers(path, hf, ids, page_size=3)
     runner, table = make_runner(path, page_size=3)
     ref = hf_logits(hf, ids)
-    req = table.open_request()
-    table.reserve(req, len(ids))
-    for t in range(len(ids)):
-        out = runner.forward(ModelInput(ForwardMode.DECODE, ids[t : t + 1], [req], [t], [1]))
-        torch.testing.assert_close(
-            out.next_token_logits[0], ref[t], atol=ATOL, rtol=0, msg=lambda m, t=t: f"step {t}: {m}"
-        )
+    assert_decode_matches(runner, table, ids, ref, ATOL)
 
 
 def test_equal_csa_and_hca_ratios_are_refused_by_name(tmp_path):

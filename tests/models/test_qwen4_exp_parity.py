@@ -23,7 +23,7 @@ from tests.models.test_deepseek_v4_parity import (
     hf_logits,
     make_runner,
 )
-from tests.runners import load_runner
+from tests.runners import assert_decode_matches, load_runner
 from tests.tiny_checkpoints import (
     build_tiny_qwen4_exp_checkpoint,
     make_hf_qwen4_exp_model,
@@ -60,13 +60,7 @@ def test_decode_step_by_step_matches_full_sequence(qwen):
     runner, table = make_runner(path, page_size=3)
     ids = token_ids(40, seed=2, eos_every=17)
     ref = hf_logits(hf, ids)
-    req = table.open_request()
-    table.reserve(req, len(ids))
-    for t in range(len(ids)):
-        out = runner.forward(ModelInput(ForwardMode.DECODE, ids[t : t + 1], [req], [t], [1]))
-        torch.testing.assert_close(
-            out.next_token_logits[0], ref[t], atol=ATOL, rtol=0, msg=lambda m, t=t: f"step {t}: {m}"
-        )
+    assert_decode_matches(runner, table, ids, ref, ATOL)
 
 
 def test_ragged_batch_and_chunked_prefill(qwen):

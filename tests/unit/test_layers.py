@@ -12,6 +12,7 @@ from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf_v4
 from runtime.distributed import ParallelGroup
 from runtime.kernels.grouped_gemm import grouped_gemm, grouped_gemm_reference
 from runtime.kernels.sink_attention import (
+    TileKeys,
     sink_attention,
     tiled_sink_attention,
     tiled_sink_attention_bmm,
@@ -339,7 +340,8 @@ def test_tiled_sink_attention_equals_per_row_keys(kernel, dtype, with_rows):
         row_valid[1] = True
         row_valid[4] = False
     sink = torch.randn(heads, generator=gen)
-    out = kernel(q, tile_rows, row_slot, tile_kv, tile_valid, row_kv, row_valid, sink, 0.3)
+    tiled = TileKeys(tile_rows, row_slot, tile_kv, tile_valid, row_kv, row_valid)
+    out = kernel(q, tiled, sink, 0.3)
     tile_of, lane_of = row_slot // 3, row_slot % 3
     keys, valid = tile_kv[tile_of], tile_valid[tile_of, lane_of]
     if with_rows:
@@ -348,9 +350,7 @@ def test_tiled_sink_attention_equals_per_row_keys(kernel, dtype, with_rows):
     tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
     torch.testing.assert_close(out.float(), expected.float(), **tol)
     assert not out[4].any()
-    dispatched = tiled_sink_attention(
-        q, tile_rows, row_slot, tile_kv, tile_valid, row_kv, row_valid, sink, 0.3
-    )
+    dispatched = tiled_sink_attention(q, tiled, sink, 0.3)
     torch.testing.assert_close(dispatched.float(), expected.float(), **tol)
     tile_q = to_tiles(q.float(), tile_rows).view(3, -1, dim)  # one product per tile
     scores = torch.bmm(tile_q, tile_kv.float().transpose(1, 2)).view(9, heads, -1)[row_slot]

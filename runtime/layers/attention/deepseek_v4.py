@@ -37,6 +37,7 @@ from runtime.core.forward_context import ForwardContext
 from runtime.distributed import ParallelGroup
 from runtime.kernels.indexer_topk import indexer_topk
 from runtime.kernels.sink_attention import (
+    TileKeys,
     grouped_sink_attention,
     tiled_sink_attention,
     to_tiles,
@@ -359,17 +360,8 @@ class DeepseekV4Attention(nn.Module):
                 rows = access.read_loc.gather(1, selected.clamp(max=num_entries - 1))
                 row_kv = pool.compressed_kv[layer][rows]
 
-        return tiled_sink_attention(
-            q,
-            tiles.rows,
-            tiles.row_slot,
-            tile_kv,
-            tile_valid,
-            row_kv,
-            row_valid,
-            self.attn_sink,
-            self.scale,
-        )
+        keys = TileKeys(tiles.rows, tiles.row_slot, tile_kv, tile_valid, row_kv, row_valid)
+        return tiled_sink_attention(q, keys, self.attn_sink, self.scale)
 
     def _attend_uniform(
         self, x, qr, q, kv, pool: DeepseekV4KVPool, meta: DeepseekV4UniformMetadata, rope
