@@ -42,7 +42,7 @@ def test_sglang_like_defaults_written_once():
     config = EngineConfig().resolve()
     assert config.model_path == default_model_path()
     assert (config.chunked_prefill_size, config.max_total_tokens, config.page_size) == (
-        512,
+        2048,
         65536,
         1,
     )
