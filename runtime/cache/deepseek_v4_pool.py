@@ -57,8 +57,12 @@ class DeepseekV4CacheLayout:
     # compressor windows overlap (HCA layers must use another ratio)
     indexer_ratio: int = 4
 
+    def is_sparse(self, ratio: int) -> bool:
+        """Whether `ratio` is the CSA layers' (indexer, overlapping compressor windows)."""
+        return ratio == self.indexer_ratio
+
     def has_indexer(self, layer: int) -> bool:
-        return self.compress_ratios[layer] == self.indexer_ratio
+        return self.is_sparse(self.compress_ratios[layer])
 
 
 class DeepseekV4KVPool(RequestStateSnapshots):
@@ -112,7 +116,7 @@ class DeepseekV4KVPool(RequestStateSnapshots):
 
     def overlap(self, ratio: int) -> int:
         """Blocks pooled per entry at `ratio`: the CSA layers' ratio overlaps."""
-        return compressor_overlap(ratio == self.layout.indexer_ratio)
+        return compressor_overlap(self.layout.is_sparse(ratio))
 
     def state_ring(self, ratio: int) -> int:
         return self.overlap(ratio) * ratio + self.max_pass
