@@ -32,6 +32,7 @@ from runtime.core.sampling_params import SamplingParams
 from runtime.core.stats import EngineInfo, EngineStats
 from runtime.engine.capture_warmup import compile_at_startup
 from runtime.engine.fanout import fan_out
+from runtime.engine.host_malloc import keep_freed_memory
 from runtime.engine.ranks import RankMemory, ReplicaLeader, memory_report
 from runtime.engine.request_limits import RequestLimits, longest_token_chars
 from runtime.engine.results import engine_stats, request_result
@@ -79,6 +80,8 @@ class Engine:
     def _build(self, config: EngineConfig, progress: bool) -> None:
         leader = self.leader
         device = leader.device if leader is not None else config.device
+        if torch.device(device).type == "cpu":
+            keep_freed_memory()
         setup = engine_setup(config, device)
         self.spec_config, self.model_config = setup.spec_config, setup.model_config
         self.context_length = self.model_config.context_length

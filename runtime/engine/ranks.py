@@ -35,6 +35,7 @@ from runtime.configs.parallel import parse_address
 from runtime.distributed.control import ControlChannel
 from runtime.distributed.health import Heartbeat, LeaderWatch, Watchdog, describe_exit
 from runtime.distributed.replica import Replica, destroy_replica, init_replica
+from runtime.engine.host_malloc import keep_freed_memory
 from runtime.engine.setup import engine_setup
 from runtime.engine.worker_factory import build_runners
 from runtime.execution.model_runner import ModelRunner
@@ -300,6 +301,8 @@ def follower_main(
         device = rank_device(config.device, local_rank)
         if device.startswith("cuda"):
             torch.cuda.set_device(device)
+        else:
+            keep_freed_memory()
         replica = init_replica(
             config.parallel_layout(),
             rank,
