@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from runtime.kernels.row_gather import take_rows
+
 
 def sink_attention_reference(
     q: torch.Tensor, kv: torch.Tensor, valid: torch.Tensor, sink: torch.Tensor, scale: float
@@ -67,7 +69,7 @@ class TileKeys:
 def to_tiles(rows: torch.Tensor, tile_rows: torch.Tensor) -> torch.Tensor:
     """Per-row `[T, ...]` -> per-tile `[N, R, ...]` (`tile_rows [N, R]` the row of each tile
     lane, `T` for a short tile's padding lane, which reads zeros)."""
-    return torch.cat([rows, rows.new_zeros(1, *rows.shape[1:])])[tile_rows]
+    return take_rows(torch.cat([rows, rows.new_zeros(1, *rows.shape[1:])]), tile_rows)
 
 
 # PyTorch's fused CPU attention kernel, which also returns each row's log-sum-exp
@@ -124,8 +126,8 @@ def tiled_sink_attention_flash(
         tile_q, shared, shared, attn_mask=bias, scale=scale
     )
     lse = lse.masked_fill(~tile_valid.any(-1).unsqueeze(1), float("-inf"))  # [N, H, R]
-    out = out.transpose(1, 2).reshape(num_tiles * tile_len, heads, dim)[row_slot]
-    lse = lse.transpose(1, 2).reshape(num_tiles * tile_len, heads)[row_slot]  # [T, H]
+    out = take_rows(out.transpose(1, 2).reshape(num_tiles * tile_len, heads, dim), row_slot)
+    lse = take_rows(lse.transpose(1, 2).reshape(num_tiles * tile_len, heads), row_slot)  # [T, H]
     sink = sink.float().view(1, heads)
     if row_kv is None:
         return (out.float() * torch.sigmoid(lse - sink).unsqueeze(-1)).to(q.dtype)

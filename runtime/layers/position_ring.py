@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from runtime.cache.ring_access import RingAccess
+from runtime.kernels.row_gather import take_rows
 
 
 def gather_ring(ring_buf: torch.Tensor, fresh: torch.Tensor, access: RingAccess) -> torch.Tensor:
@@ -18,10 +19,10 @@ def gather_ring(ring_buf: torch.Tensor, fresh: torch.Tensor, access: RingAccess)
     When no request has a cached prefix, every key is one of this forward's rows: one
     gather, with no host synchronisation."""
     if access.fresh_idx is not None:
-        return fresh[access.fresh_idx].to(ring_buf.dtype)
+        return take_rows(fresh, access.fresh_idx).to(ring_buf.dtype)
     read_idx = access.read_idx
     num_ring = ring_buf.shape[0]
-    out = ring_buf[read_idx.clamp(max=num_ring - 1)]
+    out = take_rows(ring_buf, read_idx.clamp(max=num_ring - 1))
     from_fresh = read_idx >= num_ring
     if from_fresh.any():
         out[from_fresh] = fresh[read_idx[from_fresh] - num_ring].to(out.dtype)

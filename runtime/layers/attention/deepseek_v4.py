@@ -36,6 +36,7 @@ from runtime.cache.deepseek_v4_pool import DeepseekV4KVPool
 from runtime.core.forward_context import ForwardContext
 from runtime.distributed import ParallelGroup
 from runtime.kernels.indexer_topk import indexer_topk
+from runtime.kernels.row_gather import take_rows
 from runtime.kernels.sink_attention import (
     TileKeys,
     grouped_sink_attention,
@@ -343,7 +344,7 @@ class DeepseekV4Attention(nn.Module):
                 )
             if self.indexer is None or num_entries <= self.indexer.topk:
                 # HCA (or CSA selecting everything): every visible entry, shared by a tile
-                entries = pool.compressed_kv[layer][access.req_loc[tiles.req]]
+                entries = take_rows(pool.compressed_kv[layer], access.req_loc[tiles.req])
                 tile_kv = torch.cat([tile_kv, entries], dim=1)
                 tile_valid = torch.cat([tile_valid, access.tile_valid], dim=2)
             else:  # CSA: each row's own top-k entries
@@ -358,7 +359,7 @@ class DeepseekV4Attention(nn.Module):
                     rope,
                 )
                 rows = access.read_loc.gather(1, selected.clamp(max=num_entries - 1))
-                row_kv = pool.compressed_kv[layer][rows]
+                row_kv = take_rows(pool.compressed_kv[layer], rows)
 
         keys = TileKeys(tiles.rows, tiles.row_slot, tile_kv, tile_valid, row_kv, row_valid)
         return tiled_sink_attention(q, keys, self.attn_sink, self.scale)
