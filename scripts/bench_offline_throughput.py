@@ -176,7 +176,9 @@ def main(argv: list[str] | None = None) -> dict:
         del engine
     hf = None
     if args.hf_baseline:
-        hf = hf_baseline.best_dataset_throughput(args, model_path, dataset)
+        hf = hf_baseline.in_own_process(
+            args, hf_baseline.best_dataset_throughput, model_path, dataset
+        )
         print_offline_result(hf)
         append_jsonl(args.result_filename, {**config, **hf, "variant": "HF"})
     print_offline_ratios([(v.label, r) for v, r in results], hf)

@@ -277,7 +277,9 @@ def main(argv: list[str] | None = None) -> dict:
     try:
         rows, overhead, reference = run_variants(args, variants, settings)
         hf_rows = (
-            hf_baseline.static_batch_rows(args, model_path, settings, reference)
+            hf_baseline.in_own_process(
+                args, hf_baseline.static_batch_rows, model_path, settings, reference
+            )
             if args.hf_baseline
             else []
         )

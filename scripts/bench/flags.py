@@ -207,3 +207,10 @@ def add_hf_baseline_arg(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="also run HF transformers generate and print ours/HF ratios",
     )
+    parser.add_argument(
+        "--hf-same-process",
+        action="store_true",
+        help="run the HF baseline in this process, under the malloc settings our CPU engine "
+        "made (they speed transformers up too) instead of in a fresh interpreter with the "
+        "allocator's defaults, as transformers runs on its own",
+    )

@@ -4,17 +4,37 @@ threads as our engine, greedy and with EOS off so it makes exactly the tokens ou
 
 Two measurements use it: a static batch timed step by step (`bench_one_batch`), and a whole
 dataset in left-padded batches of several sizes, keeping the fastest
-(`bench_offline_throughput`)."""
+(`bench_offline_throughput`).
+
+Each runs in a fresh interpreter by default (`in_own_process`): transformers as a user runs
+it, with the C allocator's defaults. Our CPU engine changes glibc's `malloc` settings for
+the whole process (`runtime.engine.host_malloc`), which speeds transformers' prefill up as
+well; `--hf-same-process` measures it in the benchmark's process under those settings."""
 
 from __future__ import annotations
 
+import multiprocessing
 import statistics
 import sys
 import time
 
 from scripts.bench.datasets import WARMUP_OUTPUT_LEN, batch_prompts, warmup_subset
 from scripts.bench.report import latency_row, print_hf_batch_row, progress, throughput_summary
-from scripts.bench.variants import resolve_torch_dtype
+from scripts.bench.variants import resolve_torch_dtype, set_threads
+
+
+def in_own_process(args, measure, *measure_args):
+    """`measure(args, *measure_args)` (a function of this module) in a fresh interpreter
+    with the benchmark's torch threads, or here with `--hf-same-process`."""
+    if args.hf_same_process:
+        return measure(args, *measure_args)
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        return pool.apply(_measure_in_child, (measure.__name__, args, measure_args))
+
+
+def _measure_in_child(name: str, args, measure_args):
+    set_threads(args.threads)
+    return globals()[name](args, *measure_args)
 
 
 class TokenClock:

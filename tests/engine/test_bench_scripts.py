@@ -669,7 +669,7 @@ def test_one_batch_prefills_are_fresh_and_repeated(ckpt, tmp_path, monkeypatch):
     out = bench.main(
         ["--model-path", str(ckpt), *COMMON, "--batch-size", "2", "--input-len", "40"]
         + ["--output-len", "4", "--dataset-path", str(data), "--hf-baseline"]
-        + ["--prefill-repeats", "3"]
+        + ["--prefill-repeats", "3", "--hf-same-process"]  # the patched generate runs here
     )
     # warm-up, measured batch, two repeats: the warm-up's prompts were cached, then flushed
     assert cached_before["run"] == [0, 0, 0, 0]
