@@ -30,7 +30,10 @@ step of at least that many requests runs as plain decoding (the target's capture
 step, capturing each row's hidden state) and keeps, per request, the rows the draft has not
 run over (`UndraftedRows`). When the batch shrinks, the draft first extends over all kept
 rows of each such request, as over a prefill chunk, and proposes from the newest, as it
-would after a verify round; then every request of the step verifies in one round.
+would after a verify round; then every request of the step verifies in one round. Prompt
+chunks prefilled while the next decode step is expected to run plainly keep their rows the
+same way instead of a draft pass (`_defers`): a request that finishes before speculating
+again then costs the draft at most one pass over its newest rows.
 """
 
 from __future__ import annotations
@@ -101,8 +104,18 @@ class UndraftedRows:
     following: list[int] = field(default_factory=list)
 
     def append(self, hidden: torch.Tensor, token: int, reach: int | None) -> None:
-        self.hidden.append(hidden)
-        self.following.append(token)
+        self.extend(hidden.unsqueeze(0), [token], reach)
+
+    def extend(
+        self, hidden: torch.Tensor, tokens: list[int], reach: int | None, skipped: int = 0
+    ) -> None:
+        """Rows `[n, D]` followed by `tokens`, at the positions right after the kept ones
+        and `skipped` more (rows the caller already left out as older than `reach`)."""
+        if skipped:
+            self.start += len(self.following) + skipped
+            self.hidden, self.following = [], []
+        self.hidden.extend(hidden.unbind(0))
+        self.following.extend(tokens)
         if reach is not None and len(self.following) > reach:
             drop = len(self.following) - reach
             del self.hidden[:drop], self.following[:drop]
@@ -150,7 +163,7 @@ class NextNWorker:
             decode_out = self._verify(decode, self._catch_up(decode))
         else:
             decode_out = self._decode_plain(decode)
-        return (self._prefill(prefill) if prefill else []), decode_out
+        return (self._prefill(prefill, len(decode)) if prefill else []), decode_out
 
     def release(self, reqs: Sequence[Req], keep_state: bool = False) -> list[list[int] | None]:
         """`reqs` leave the running batch (finished, retracted or aborted) and their rows are
@@ -211,14 +224,55 @@ class NextNWorker:
         drafts = self.drafter.draft(catch_up_draft_batch(behind))
         return {rows.req.rid: drafted for rows, drafted in zip(behind, drafts)}
 
-    def _prefill(self, chunks: Sequence[Chunk]) -> list[TokenOutput]:
+    def _prefill(self, chunks: Sequence[Chunk], num_decoding: int) -> list[TokenOutput]:
         """Target extend, a token for every chunk that completes its prompt, then the draft
-        over the same rows (proposing only for the completing chunks)."""
+        over the same rows (proposing only for the completing chunks), except for chunks
+        it defers (`_defers`)."""
         outputs, hidden = self._target_over(chunks, ForwardMode.EXTEND)
-        drafts = self.drafter.draft(prefill_draft_batch(chunks, outputs, hidden))
-        for output, drafted in zip(outputs, drafts):
-            output.draft_tokens = drafted
+        defer = self._defers(chunks, num_decoding)
+        now = [i for i, deferred in enumerate(defer) if not deferred]
+        if now:
+            rows = hidden if len(now) == len(chunks) else hidden[chunk_rows(chunks, now)]
+            batch = prefill_draft_batch([chunks[i] for i in now], [outputs[i] for i in now], rows)
+            for i, drafted in zip(now, self.drafter.draft(batch)):
+                outputs[i].draft_tokens = drafted
+        if len(now) < len(chunks):
+            self._keep_undrafted(chunks, outputs, hidden, defer)
         return outputs
+
+    def _keep_undrafted(self, chunks, outputs, hidden: torch.Tensor, defer: list[bool]) -> None:
+        """The deferred chunks' rows (the newest `kv_reach` of them) join their requests'
+        `UndraftedRows`; a chunk that completes its prompt (or resumes a retracted request)
+        gets placeholder drafts, replaced by the catch-up's before any round verifies."""
+        reach = self.drafter.runner.model.kv_reach
+        end = 0
+        for chunk, output, deferred in zip(chunks, outputs, defer):
+            end += chunk.length
+            if not deferred:
+                continue
+            req = chunk.req
+            kept = self.undrafted.setdefault(req.rid, UndraftedRows(req, chunk.start))
+            rows = hidden[max(end - chunk.length, end - reach) : end].clone()
+            following = following_tokens(chunk, output)[-len(rows) :]
+            kept.extend(rows, following, reach, skipped=chunk.length - len(rows))
+            if chunk.completes or chunk.resumes:
+                output.draft_tokens = DRAFTS_TO_COME * self.spec.num_steps
+
+    def _defers(self, chunks: Sequence[Chunk], num_decoding: int) -> list[bool]:
+        """Which chunks leave their rows to the draft's catch-up (`UndraftedRows`) instead
+        of a draft pass now. While the next decode step is expected to run without
+        speculation (this step's decode batch plus the requests whose prompts complete
+        here reach `disable_by_batch_size`), a pass now may be wasted: a request that
+        finishes before speculation resumes needs the draft over its newest `kv_reach`
+        rows at most (when the prefix cache keeps its state), and none without a prefix
+        cache. A chunk of a request with rows kept already defers too, since the draft
+        reads the rows before it. Only with a window-only draft: a draft reading every row
+        would keep every prompt row's hidden state."""
+        if self.disable_by_batch_size is None or self.drafter.runner.model.kv_reach is None:
+            return [False] * len(chunks)
+        joining = sum(c.completes for c in chunks)
+        off = not self.speculates(num_decoding + joining)
+        return [off or c.req.rid in self.undrafted for c in chunks]
 
     def _verify(self, reqs: Sequence[Req], fresh: dict[str, list[int]]) -> list[TokenOutput]:
         """One round per request, as gpt-fast's `speculative_decode`: the target scores the
@@ -397,6 +451,27 @@ def catch_up_draft_batch(
     )
 
 
+# a deferred request's drafts until its first speculating step drafts them (`_catch_up`):
+# the scheduler decodes a request that has drafts, and a verify round takes the caught-up
+# ones instead
+DRAFTS_TO_COME = [0]
+
+
+def following_tokens(chunk: Chunk, output: TokenOutput) -> list[int]:
+    """The token after each row of `chunk`: the next prompt token, or for the last row of a
+    completing chunk the token just sampled."""
+    req = chunk.req
+    return req.all_ids[chunk.start + 1 : chunk.end] + (output.tokens or [req.all_ids[chunk.end]])
+
+
+def chunk_rows(chunks: Sequence[Chunk], picked: Sequence[int]) -> torch.Tensor:
+    """Indices of the rows of `chunks[i]` for `i in picked` in the step's `[sum len, D]`."""
+    starts = [0]
+    for c in chunks:
+        starts.append(starts[-1] + c.length)
+    return torch.cat([torch.arange(starts[i], starts[i + 1]) for i in picked])
+
+
 def prefill_draft_batch(
     chunks: Sequence[Chunk], outputs: Sequence[TokenOutput], target_hidden: torch.Tensor
 ) -> DraftBatch:
@@ -405,11 +480,7 @@ def prefill_draft_batch(
     Completing chunks get proposals, and so do resuming ones (a retracted request rebuilt
     up to its newest token, which follows the last row): its next verify round is the one
     it would have run without the retraction. The others only fill the draft's cache."""
-    following = [
-        t
-        for c, o in zip(chunks, outputs)
-        for t in c.req.all_ids[c.start + 1 : c.end] + (o.tokens or [c.req.all_ids[c.end]])
-    ]
+    following = [t for c, o in zip(chunks, outputs) for t in following_tokens(c, o)]
     return DraftBatch(
         reqs=[c.req for c in chunks],
         prefix_lens=[c.start for c in chunks],
