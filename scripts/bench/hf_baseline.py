@@ -17,6 +17,7 @@ import multiprocessing
 import statistics
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
 
 from scripts.bench.datasets import WARMUP_OUTPUT_LEN, batch_prompts, warmup_subset
 from scripts.bench.report import latency_row, print_hf_batch_row, progress, throughput_summary
@@ -28,8 +29,9 @@ def in_own_process(args, measure, *measure_args):
     with the benchmark's torch threads, or here with `--hf-same-process`."""
     if args.hf_same_process:
         return measure(args, *measure_args)
-    with multiprocessing.get_context("spawn").Pool(1) as pool:
-        return pool.apply(_measure_in_child, (measure.__name__, args, measure_args))
+    spawn = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=1, mp_context=spawn) as pool:
+        return pool.submit(_measure_in_child, measure.__name__, args, measure_args).result()
 
 
 def _measure_in_child(name: str, args, measure_args):
