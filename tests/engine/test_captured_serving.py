@@ -40,15 +40,25 @@ def ckpt(request, tmp_path_factory):
     return build(tmp_path_factory.mktemp(f"captured_serving_{request.param}"), seed=3)[0]
 
 
-def capture(engine: Engine) -> dict[str, list[tuple[ForwardMode, bool]]]:
-    """Give the engine's runners captured steps; returns, per runner role, the mode of each
-    of its forwards that has a captured step and whether it replayed it (a whole captured
-    draft round counts as the draft extend it starts with)."""
+def capture(engine: Engine, **config) -> dict[str, list[tuple[ForwardMode, bool]]]:
+    """Give the engine's runners captured steps (`bucket_config(**config)`); returns, per
+    runner role, the mode of each of its forwards that has a captured step and whether it
+    replayed it (a whole captured draft round counts as the draft extend it starts with, a
+    whole fused NEXTN round as the target verify it starts with)."""
     runners = [engine.runner] + ([engine.worker.drafter.runner] if engine.spec_config else [])
     replays = {}
     for runner in runners:
-        graph_runner = GraphRunner(runner, bucket_config(), engine.config.max_running_requests)
+        graph_runner = GraphRunner(
+            runner, bucket_config(**config), engine.config.max_running_requests
+        )
         seen = replays[runner.role] = []
+
+        def try_recipe(key, *args, real=graph_runner.try_recipe, seen=seen):
+            out = real(key, *args)
+            seen.append((ForwardMode.TARGET_VERIFY, out is not None))
+            return out
+
+        graph_runner.try_recipe = try_recipe
 
         def try_forward(inp, graph_runner=graph_runner, real=graph_runner.try_forward, seen=seen):
             out = real(inp)
@@ -166,8 +176,10 @@ def test_mixed_plain_steps_replay_the_captured_decode(ckpt, captured_plain):
 
 
 @pytest.mark.slow
-def test_captured_nextn_under_retraction_equals_plain(ckpt):
-    """NEXTN with captured verify and draft steps, prefill chunks of 16 sharing steps with
+@pytest.mark.parametrize("fused", [True, False])
+def test_captured_nextn_under_retraction_equals_plain(ckpt, fused):
+    """NEXTN with captured rounds (each greedy round one graph, or the verify and the
+    draft's steps as separate captured steps), prefill chunks of 16 sharing steps with
     verify rounds, in a pool so small that requests keep being retracted and resumed: the
     tokens of plain eager decoding, every slot back."""
     prompts = make_prompts(6, seed=4, low=6, high=46)
@@ -182,7 +194,7 @@ def test_captured_nextn_under_retraction_equals_plain(ckpt):
         speculative_algorithm="NEXTN",
         speculative_num_steps=2,
     )
-    replays = capture(engine)
+    replays = capture(engine, fused_round=fused)
     mixed = []
     real_step = engine.worker.step
 
@@ -196,7 +208,12 @@ def test_captured_nextn_under_retraction_equals_plain(ckpt):
     assert [r.finish_reason.type for r in reqs] == ["length"] * len(reqs)
     assert [r.output_ids for r in reqs] == eager_outputs(ckpt, prompts, params)
     assert engine.scheduler.num_retractions > 0 and any(mixed)
-    # the target's verify rounds, the draft's extend over them and its chained steps
+    # the target's verify rounds (whole rounds where fused); step by step the draft's
+    # extend over the verified rows and its chained steps, which also chain a prompt's
+    # proposals after its (eager) draft extend
     assert {mode for mode, _ in replays["target"]} == {ForwardMode.TARGET_VERIFY}
-    assert {mode for mode, _ in replays["draft"]} == {ForwardMode.DRAFT_EXTEND, ForwardMode.DECODE}
+    draft_modes = {mode for mode, _ in replays["draft"]}
+    assert draft_modes == (
+        {ForwardMode.DECODE} if fused else {ForwardMode.DRAFT_EXTEND, ForwardMode.DECODE}
+    )
     assert all(replayed for seen in replays.values() for _, replayed in seen)
