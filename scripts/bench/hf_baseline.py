@@ -25,18 +25,18 @@ from scripts.bench.variants import resolve_torch_dtype, set_threads
 
 
 def in_own_process(args, measure, *measure_args):
-    """`measure(args, *measure_args)` (a function of this module) in a fresh interpreter
-    with the benchmark's torch threads, or here with `--hf-same-process`."""
+    """`measure(args, *measure_args)` (a module-level function, pickled by name) in a fresh
+    interpreter with the benchmark's torch threads, or here with `--hf-same-process`."""
     if args.hf_same_process:
         return measure(args, *measure_args)
     spawn = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=1, mp_context=spawn) as pool:
-        return pool.submit(_measure_in_child, measure.__name__, args, measure_args).result()
+        return pool.submit(_measure_in_child, measure, args, measure_args).result()
 
 
-def _measure_in_child(name: str, args, measure_args):
+def _measure_in_child(measure, args, measure_args):
     set_threads(args.threads)
-    return globals()[name](args, *measure_args)
+    return measure(args, *measure_args)
 
 
 class TokenClock:
