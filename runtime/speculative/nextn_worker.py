@@ -245,14 +245,13 @@ class NextNWorker:
         `UndraftedRows`; a chunk that completes its prompt (or resumes a retracted request)
         gets placeholder drafts, replaced by the catch-up's before any round verifies."""
         reach = self.drafter.runner.model.kv_reach
-        end = 0
-        for chunk, output, deferred in zip(chunks, outputs, defer):
-            end += chunk.length
+        spans = chunk_spans(chunks)
+        for chunk, output, deferred, (begin, end) in zip(chunks, outputs, defer, spans):
             if not deferred:
                 continue
             req = chunk.req
             kept = self.undrafted.setdefault(req.rid, UndraftedRows(req, chunk.start))
-            rows = hidden[max(end - chunk.length, end - reach) : end].clone()
+            rows = hidden[max(begin, end - reach) : end].clone()
             following = following_tokens(chunk, output)[-len(rows) :]
             kept.extend(rows, following, reach, skipped=chunk.length - len(rows))
             if chunk.completes or chunk.resumes:
@@ -464,12 +463,19 @@ def following_tokens(chunk: Chunk, output: TokenOutput) -> list[int]:
     return req.all_ids[chunk.start + 1 : chunk.end] + (output.tokens or [req.all_ids[chunk.end]])
 
 
+def chunk_spans(chunks: Sequence[Chunk]) -> list[tuple[int, int]]:
+    """Each chunk's rows `[begin, end)` in the step's `[sum len, D]`."""
+    spans, end = [], 0
+    for c in chunks:
+        spans.append((end, end + c.length))
+        end += c.length
+    return spans
+
+
 def chunk_rows(chunks: Sequence[Chunk], picked: Sequence[int]) -> torch.Tensor:
     """Indices of the rows of `chunks[i]` for `i in picked` in the step's `[sum len, D]`."""
-    starts = [0]
-    for c in chunks:
-        starts.append(starts[-1] + c.length)
-    return torch.cat([torch.arange(starts[i], starts[i + 1]) for i in picked])
+    spans = chunk_spans(chunks)
+    return torch.cat([torch.arange(*spans[i]) for i in picked])
 
 
 def prefill_draft_batch(
