@@ -5,6 +5,11 @@
 row counts: rows `group_ends[g-1]:group_ends[g]` use `weight[g]`. Returns `[A, N]`.
 The fast path is `torch.nn.functional.grouped_mm` (CPU and CUDA); it needs 16-byte
 aligned strides, otherwise the reference runs.
+
+`grouped_gemm_op` is the same product as one opaque operator (`torch.library.custom_op`
+with a fake implementation), so a captured step keeps it as a single node: the output's
+shape depends only on the input's, while the group sizes are data. (The compiler's own
+meta function for `grouped_mm` accepts bf16 inputs only.)
 """
 
 from __future__ import annotations
@@ -36,3 +41,15 @@ def grouped_gemm(x: torch.Tensor, weight: torch.Tensor, group_ends: torch.Tensor
     if not hasattr(F, "grouped_mm") or x.dtype != weight.dtype or not _aligned(x, weight):
         return grouped_gemm_reference(x, weight, group_ends)
     return F.grouped_mm(x.contiguous(), weight.transpose(1, 2), offs=group_ends.to(torch.int32))
+
+
+@torch.library.custom_op("nextn::grouped_gemm", mutates_args=())
+def grouped_gemm_op(
+    x: torch.Tensor, weight: torch.Tensor, group_ends: torch.Tensor
+) -> torch.Tensor:
+    return grouped_gemm(x, weight, group_ends)
+
+
+@grouped_gemm_op.register_fake
+def _(x, weight, group_ends):
+    return x.new_empty((x.shape[0], weight.shape[1]))

@@ -25,6 +25,8 @@ from runtime.configs.model_config import ModelConfig
 from runtime.core.forward_mode import CaptureHiddenMode, ForwardMode
 from runtime.execution.graph_runner import GraphRunner, StepState, draft_round_function
 from runtime.execution.model_runner import ModelInput, ModelRunner
+from runtime.kernels import grouped_gemm as grouped_gemm_mod
+from runtime.layers.moe import experts as experts_mod
 from runtime.layers.narrow_weights import attach_narrow_copies
 from runtime.model_loader.build import load_model
 from runtime.models.registry import model_classes
@@ -194,7 +196,9 @@ def checkpoint_of(family: str, request):
 
 
 @pytest.mark.parametrize("family", ["deepseek_v4", "qwen4_exp"])
-def test_decode_verify_and_draft_steps_trace_to_one_graph(family, request):
+def test_decode_verify_and_draft_steps_trace_to_one_graph(family, request, monkeypatch):
+    # the routed experts' sorted form from the verify's pairs on (gathered below them)
+    monkeypatch.setattr(experts_mod, "SORTED_MIN_PAIRS", BUCKET * 4 * 2)
     table, target, drafter = make_runners(checkpoint_of(family, request)[0])
     target_steps, draft_steps = nextn_step_inputs(table, target, drafter)
     for inp in target_steps.values():
@@ -243,13 +247,27 @@ def state_rewind(pool):
     return rewind
 
 
-@pytest.mark.parametrize("family", ["deepseek_v4", "qwen4_exp"])
-def test_captured_decode_matches_eager_logits_with_padding_and_churn(family, request):
+@pytest.mark.parametrize(
+    "family,moe_form",
+    [("deepseek_v4", "gathered"), ("deepseek_v4", "sorted"), ("qwen4_exp", "gathered")],
+)
+def test_captured_decode_matches_eager_logits_with_padding_and_churn(
+    family, moe_form, request, monkeypatch
+):
     """Decode steps of 1 to 4 live requests in bucket 4 (requests join and leave between
     steps, contexts grow past one padded entry count of the compressed layers, or of the
     key blocks with QSA's selection active; one live request pads into bucket 4 while its own
     bucket 1 is compiling): each captured step's logits equal the eager step's on the same
-    caches. The weights hold bf16 values, so the captured step reads their bf16 copies."""
+    caches. The weights hold bf16 values, so the captured step reads their bf16 copies.
+    `moe_form`: the routed experts' form in the captured step (bucket 4's 8 pairs are
+    below `SORTED_MIN_PAIRS`; "sorted" lowers it)."""
+    if moe_form == "sorted":
+        monkeypatch.setattr(experts_mod, "SORTED_MIN_PAIRS", BUCKET * 2)
+    grouped = []  # grouped GEMMs run by the experts' sorted form (the custom op's body)
+    product = grouped_gemm_mod.grouped_gemm
+    monkeypatch.setattr(
+        grouped_gemm_mod, "grouped_gemm", lambda *a: grouped.append(1) or product(*a)
+    )
     path = request.getfixturevalue("tiny_v4" if family == "deepseek_v4" else "qwen_mtp")[0]
     config = bucket_config(batch_sizes=(1, BUCKET))
     table, runner, _ = make_runners(path, capture=config, draft=False, narrow=True)
@@ -282,7 +300,9 @@ def test_captured_decode_matches_eager_logits_with_padding_and_churn(family, req
         eager = runner.forward(inp).next_token_logits
         rewind()
         runner.graph_runner = graph_runner
+        before = len(grouped)
         captured = runner.forward(inp).next_token_logits
+        assert (len(grouped) > before) == (family == "deepseek_v4" and moe_form == "sorted")
         assert captured.shape == eager.shape == (len(order), eager.shape[1])
         torch.testing.assert_close(captured, eager, atol=ATOL, rtol=0, msg=f"step {step}")
         for i, token in zip(order, eager.argmax(-1).tolist()):

@@ -233,12 +233,15 @@ def test_expert_parallel_ranks_sum_to_the_whole(monkeypatch):
     torch.testing.assert_close(total, full, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("tokens", [5, 30])  # gathered pairs; sorted (>= SORTED_MIN_PAIRS)
 @pytest.mark.parametrize("ep,tp", [(1, 1), (2, 1), (1, 2), (2, 2)])
-def test_fixed_shape_experts_under_expert_and_tensor_parallel(monkeypatch, ep, tp):
-    """The form captured steps take (per-pair gathered weights, no data-dependent shapes)
+def test_fixed_shape_experts_under_expert_and_tensor_parallel(monkeypatch, ep, tp, tokens):
+    """The forms captured steps take (no data-dependent shapes: per-pair gathered weights
+    for few pairs, pairs sorted by expert with another rank's pairs weighing zero for many)
     on every (expert block, width slice) shard: each rank's piece goes through the layer's
     one reduction over `combine` (or none when the caller fuses it), and the pieces sum to
     the dense re-statement, as the eager form's do."""
+    assert (tokens * 3 >= experts_mod.SORTED_MIN_PAIRS) == (tokens == 30)
     reduced = []
 
     def all_reduce(x, group):
@@ -248,8 +251,8 @@ def test_fixed_shape_experts_under_expert_and_tensor_parallel(monkeypatch, ep, t
     monkeypatch.setattr(experts_mod, "all_reduce", all_reduce)
     monkeypatch.setattr(experts_mod, "in_capture", lambda: True)
     w13, w2 = torch.randn(8, 2 * 12, 16), torch.randn(8, 16, 12)
-    x = torch.randn(5, 16)
-    weights, ids = select_experts(torch.randn(5, 8), 3, "sqrtsoftplus")
+    x = torch.randn(tokens, 16)
+    weights, ids = select_experts(torch.randn(tokens, 8), 3, "sqrtsoftplus")
     full = dense_moe(x, w13, w2, weights, ids, 0.7)
     total = torch.zeros_like(x)
     for rank in range(ep * tp):
@@ -270,6 +273,22 @@ def test_fixed_shape_experts_under_expert_and_tensor_parallel(monkeypatch, ep, t
         total += part(x, weights, ids)
         assert reduced[before:] == ([combine] if rank % 2 == 0 else [])
     torch.testing.assert_close(total, full, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("tokens", [8, 40])  # gathered, sorted
+def test_compiled_experts_are_one_graph_equal_to_eager(tokens):
+    """A captured step compiles the routed experts into one graph (the grouped GEMM is one
+    opaque operator), and its result equals the eager sorted form's."""
+    torch._dynamo.reset()
+    experts = FusedMoEExperts(8, 32, 16, swiglu_limit=0.7)
+    experts.w13_weight.data = torch.randn(8, 32, 32)
+    experts.w2_weight.data = torch.randn(8, 32, 16)
+    x = torch.randn(tokens, 32)
+    weights, ids = select_experts(torch.randn(tokens, 8), 2, "sqrtsoftplus")
+    explained = torch._dynamo.explain(experts)(x, weights, ids)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0)
+    compiled = torch.compile(experts, dynamic=False, fullgraph=True)
+    torch.testing.assert_close(compiled(x, weights, ids), experts(x, weights, ids))
 
 
 def test_moe_checkpoint_loader_maps_per_expert_names():
