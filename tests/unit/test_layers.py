@@ -83,6 +83,34 @@ def test_interleaved_tail_rope_matches_transformers(kind):
     torch.testing.assert_close(ours.apply(got, c, s, inverse=True), x, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape,rotary_dim", [((9, 4, 16), 8), ((9, 16), 8), ((9, 3, 8), 8)])
+@pytest.mark.parametrize("tail", [True, False])
+def test_eager_pair_rotation_equals_the_compiled_form(monkeypatch, dtype, shape, rotary_dim, tail):
+    """Eagerly the interleaved pairs rotate in place in a copy (a complex product in fp32);
+    a captured step keeps the functional form. Both agree, forward and inverse, for a
+    non-contiguous input too: bit for bit in bf16, to an ulp in fp32 (the complex kernel
+    may fuse a product into its sum)."""
+    rope = RotaryEmbedding(
+        rotary_dim,
+        {"rope_type": "default", "rope_theta": 100.0},
+        interleaved=True,
+        rotate_tail=tail,
+    )
+    cos, sin = rope.cos_sin(torch.tensor([0, 1, 2, 7, 30, 31, 64, 500, 4096]))
+    x = torch.randn(shape[-1], *shape[:-1]).movedim(0, -1).to(dtype)  # last dim strided
+    assert not x.is_contiguous()
+    eager = [rope.apply(x, cos, sin), rope.apply(x, cos, sin, inverse=True)]
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    functional = [rope.apply(x, cos, sin), rope.apply(x, cos, sin, inverse=True)]
+    for got, expected in zip(eager, functional):
+        assert got.dtype == expected.dtype == dtype
+        if dtype == torch.bfloat16:
+            assert torch.equal(got, expected)
+        else:
+            torch.testing.assert_close(got, expected, rtol=2.5e-7, atol=1e-7)
+
+
 def test_yarn_frequencies_match_transformers():
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
