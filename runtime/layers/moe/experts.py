@@ -158,10 +158,29 @@ class FusedMoEExperts(nn.Module):
     ) -> torch.Tensor:
         """`x [T, H]`, `topk_weights/ids [T, k]` -> `sum_k w_k * expert_{id_k}(x)`, `[T, H]`."""
         if not in_capture():
-            return self._reduce(self.forward_sorted(x, topk_weights, topk_ids, fixed_shape=False))
-        if x.device.type == "cpu" and topk_ids.numel() >= SORTED_MIN_PAIRS:
-            return self._reduce(self.forward_sorted(x, topk_weights, topk_ids, fixed_shape=True))
-        return self._reduce(self.forward_gathered(x, topk_weights, topk_ids))
+            piece = self.forward_sorted(x, topk_weights, topk_ids, fixed_shape=False)
+        elif x.device.type == "cpu" and topk_ids.numel() >= SORTED_MIN_PAIRS:
+            piece = self.forward_sorted(x, topk_weights, topk_ids, fixed_shape=True)
+        else:
+            piece = self.forward_gathered(x, topk_weights, topk_ids)
+        return self._reduce(piece)
+
+    def _local_pairs(
+        self, topk_weights: torch.Tensor, topk_ids: torch.Tensor, fixed_shape: bool
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Each (token, expert) pair's local expert, weight and token, flattened. Pairs
+        routed to another rank's experts are dropped, or with `fixed_shape` kept at a
+        clamped expert with weight zero, so no shape depends on the routing."""
+        local = topk_ids.flatten() - self.first_local_expert
+        weights = topk_weights.flatten()
+        token_of = torch.arange(topk_ids.numel(), device=topk_ids.device) // topk_ids.shape[1]
+        if self.ep.size > 1:
+            mine = (local >= 0) & (local < self.num_local_experts)
+            if fixed_shape:
+                weights, local = weights * mine, local.clamp(0, self.num_local_experts - 1)
+            else:
+                local, token_of, weights = local[mine], token_of[mine], weights[mine]
+        return local, weights, token_of
 
     def forward_sorted(
         self,
@@ -170,19 +189,9 @@ class FusedMoEExperts(nn.Module):
         topk_ids: torch.Tensor,
         fixed_shape: bool,
     ) -> torch.Tensor:
-        """This rank's piece with the pairs sorted by expert. `fixed_shape`: every pair stays
-        (another rank's pairs weigh zero, at a clamped expert), so no shape depends on the
-        routing; otherwise those pairs are dropped."""
-        top_k = topk_ids.shape[1]
-        local = topk_ids.flatten() - self.first_local_expert
-        weights = topk_weights.flatten()
-        token_of = torch.arange(topk_ids.numel(), device=x.device) // top_k
-        if self.ep.size > 1:
-            mine = (local >= 0) & (local < self.num_local_experts)
-            if fixed_shape:
-                weights, local = weights * mine, local.clamp(0, self.num_local_experts - 1)
-            else:
-                local, token_of, weights = local[mine], token_of[mine], weights[mine]
+        """This rank's piece with the pairs sorted by expert (`fixed_shape`: as in
+        `_local_pairs`)."""
+        local, weights, token_of = self._local_pairs(topk_weights, topk_ids, fixed_shape)
         order = torch.argsort(local, stable=True)
         counts = torch.zeros(self.num_local_experts, dtype=torch.long, device=x.device)
         group_ends = torch.cumsum(counts.scatter_add_(0, local, torch.ones_like(local)), 0)
@@ -205,11 +214,7 @@ class FusedMoEExperts(nn.Module):
         """The fixed-shape formulation of this rank's piece (its experts, its share of their
         width; pairs routed to other ranks' experts contribute zero)."""
         num_tokens, top_k = topk_ids.shape
-        local = topk_ids.flatten() - self.first_local_expert
-        weights = topk_weights.flatten()
-        if self.ep.size > 1:
-            mine = (local >= 0) & (local < self.num_local_experts)
-            weights, local = weights * mine, local.clamp(0, self.num_local_experts - 1)
+        local, weights, _ = self._local_pairs(topk_weights, topk_ids, fixed_shape=True)
         rows = x.unsqueeze(1).expand(num_tokens, top_k, x.shape[-1]).reshape(-1, 1, x.shape[-1])
         w13 = weight_for_product(self, "w13_weight")[local].to(x.dtype)  # widened per pair
         gate_up = torch.bmm(rows, w13.transpose(1, 2))
