@@ -13,7 +13,10 @@ it when it finishes or is retracted and after prefill chunks, make room under pr
 * caching: the request's pages up to the last whole unit go into the tree (pages the tree
   already holds replace the request's duplicates, which are freed), and its state at
   `num_cached` becomes a snapshot. A finishing or retracted request hands its tail pages to
-  the snapshot; a request still running (after a prefill chunk) gets them copied.
+  the snapshot; a request still running (after a prefill chunk) gets them copied. Target
+  rows its MTP draft has not run over yet (`OwedDraftRows`: a finishing request's own, or
+  the worker's copy after a prefill chunk) go with the snapshot, and back to a request that
+  resumes from it.
 * where snapshots are taken: when a request finishes or is retracted, after prefill chunks
   ending at multiples of `snapshot_interval`, and where a waiting request shares a prefix
   with one still prefilling it (the waiting one holds back until the running one has
@@ -36,7 +39,7 @@ from dataclasses import dataclass
 from runtime.cache.radix_cache import PrefixMatch, RadixCache, RadixNode
 from runtime.cache.slot_table import SlotTable
 from runtime.cache.state_snapshots import StateSnapshots
-from runtime.core.request import Req
+from runtime.core.request import OwedDraftRows, Req
 
 # A waiting request holds back for a running one only when they share at least this many
 # more tokens than the cache already gives it (waiting for a few template tokens costs
@@ -109,6 +112,7 @@ class PrefixCache:
 
     def _admitted(self, req: Req, idx: int, cached: int) -> None:
         req.req_pool_idx, req.num_cached = idx, cached
+        req.owed_draft_rows = None
         if cached < req.seq_len - 1:
             # A retracted request resumed right at its newest token keeps the drafts it had:
             # the cache holds exactly the state they were drafted from, so its next verify
@@ -128,8 +132,9 @@ class PrefixCache:
         """Where a prefill chunk `[start, end)` should stop instead (a snapshot point)."""
         return end
 
-    def after_prefill_chunk(self, req: Req) -> None:
-        """`req.num_cached` just advanced to the end of a prefill chunk."""
+    def after_prefill_chunk(self, req: Req, owed: OwedDraftRows | None = None) -> None:
+        """`req.num_cached` just advanced to the end of a prefill chunk; `owed`: the rows up
+        to there its MTP draft has not run over (a snapshot taken here keeps them)."""
 
     def make_room(self, num_pages: int) -> int:
         """Free up to `num_pages` pages the cache holds; returns how many it freed."""
@@ -138,10 +143,11 @@ class PrefixCache:
     # release ------------------------------------------------------------------------------
     def release(self, req: Req, keep_state: bool = False, verify_row: int | None = None) -> None:
         """Give back everything `req` holds. With `keep_state` its computed prefix may be
-        cached; `verify_row` j says its state is that after row j of the last verify pass
-        (the round emitted tokens past the one it stopped at)."""
+        cached (with the `owed_draft_rows` of a finishing request); `verify_row` j says its
+        state is that after row j of the last verify pass (the round emitted tokens past the
+        one it stopped at)."""
         self.slot_table.release(req.req_pool_idx)
-        req.req_pool_idx = None
+        req.req_pool_idx, req.owed_draft_rows = None, None
 
     def reset(self) -> None:
         """Drop everything cached (`/flush_cache`; no request may be running)."""
@@ -203,6 +209,8 @@ class RadixPrefixCache(PrefixCache):
         if match.snapshot is not None:
             self._resume(idx, match)
         self._admitted(req, idx, match.length)
+        if match.snapshot is not None:
+            req.owed_draft_rows = match.snapshot.owed_draft_rows
         return Admission.ADMITTED
 
     def _resume(self, idx: int, match: PrefixMatch) -> None:
@@ -236,11 +244,11 @@ class RadixPrefixCache(PrefixCache):
             points.append((start // self.snapshot_interval + 1) * self.snapshot_interval)
         return min([c for c in points if c < end], default=end)
 
-    def after_prefill_chunk(self, req: Req) -> None:
+    def after_prefill_chunk(self, req: Req, owed: OwedDraftRows | None = None) -> None:
         pos, idx = req.num_cached, req.req_pool_idx
         interval = self.snapshot_interval
         if pos in self._cuts.get(idx, ()) or (interval > 0 and pos % interval == 0):
-            self._cache(req, idx, finishing=False)
+            self._cache(req, idx, finishing=False, owed=owed)
 
     def make_room(self, num_pages: int) -> int:
         return self.tree.evict(num_pages)
@@ -248,17 +256,26 @@ class RadixPrefixCache(PrefixCache):
     # release ------------------------------------------------------------------------------
     def release(self, req: Req, keep_state: bool = False, verify_row: int | None = None) -> None:
         idx = req.req_pool_idx
-        kept = self._cache(req, idx, finishing=True, verify_row=verify_row) if keep_state else []
+        kept = []
+        if keep_state:
+            kept = self._cache(req, idx, True, verify_row, req.owed_draft_rows)
+        req.owed_draft_rows = None
         self.tree.unlock(self._locks.pop(idx))
         self._cuts.pop(idx, None)
         self.slot_table.release(idx, keep=kept)
         req.req_pool_idx = None
 
     def _cache(
-        self, req: Req, idx: int, finishing: bool, verify_row: int | None = None
+        self,
+        req: Req,
+        idx: int,
+        finishing: bool,
+        verify_row: int | None = None,
+        owed: OwedDraftRows | None = None,
     ) -> list[int]:
         """Insert the request's prefix up to its last whole unit and snapshot its state at
-        `num_cached`. Returns the pages a finishing request hands to the snapshot."""
+        `num_cached` (with the rows its draft owes that state). Returns the pages a
+        finishing request hands to the snapshot."""
         pos, tokens = req.num_cached, req.all_ids
         if pos <= 0 or pos >= len(tokens):
             return []
@@ -271,7 +288,7 @@ class RadixPrefixCache(PrefixCache):
         tail_src = pages[depth // page : -(-pos // page)]
         try:
             return self._snapshot(
-                idx, node, tuple(tokens[depth : pos + 1]), tail_src, finishing, verify_row
+                idx, node, tuple(tokens[depth : pos + 1]), tail_src, finishing, verify_row, owed
             )
         finally:
             if finishing:
@@ -288,6 +305,7 @@ class RadixPrefixCache(PrefixCache):
         tail_src: list[int],
         finishing: bool,
         verify_row: int | None,
+        owed: OwedDraftRows | None = None,
     ) -> list[int]:
         if self.tree.has_snapshot(node, tail):
             return []
@@ -303,7 +321,7 @@ class RadixPrefixCache(PrefixCache):
         if not finishing:
             self.snapshots.copy_pages(tail_src, tail_pages)
         self.snapshots.save(idx, slot, verify_row)
-        self.tree.add_snapshot(node, tail, slot, tail_pages)
+        self.tree.add_snapshot(node, tail, slot, tail_pages, owed)
         return tail_pages if finishing else []
 
     def _alloc_pages(self, count: int) -> list[int] | None:

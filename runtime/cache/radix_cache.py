@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 from runtime.cache.allocator import PagedTokenAllocator
 from runtime.cache.state_snapshots import StateSnapshots
+from runtime.core.request import OwedDraftRows
 
 
 class RadixNode:
@@ -48,6 +49,7 @@ class Snapshot:
     slot: int  # in `StateSnapshots`
     tail_pages: list[int]  # pages of positions [node.depth, position)
     used: int = 0
+    owed_draft_rows: OwedDraftRows | None = None  # what the MTP draft still owes this state
 
     @property
     def position(self) -> int:
@@ -190,11 +192,16 @@ class RadixCache:
         return upper
 
     def add_snapshot(
-        self, node: RadixNode, tail: tuple[int, ...], slot: int, tail_pages: list[int]
+        self,
+        node: RadixNode,
+        tail: tuple[int, ...],
+        slot: int,
+        tail_pages: list[int],
+        owed_draft_rows: OwedDraftRows | None = None,
     ) -> Snapshot:
         if not 1 <= len(tail) <= self.unit:
             raise ValueError("a snapshot's tail covers 1 .. unit tokens")
-        snap = Snapshot(node, tail, slot, list(tail_pages))
+        snap = Snapshot(node, tail, slot, list(tail_pages), owed_draft_rows=owed_draft_rows)
         node.snapshots[tail] = snap
         self._touch(snap)
         return snap

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from runtime.core.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
 
 
 class Detokenizer(Protocol):
@@ -28,6 +31,20 @@ class GrammarState(Protocol):
     def accept(self, token: int) -> bool: ...
 
     def is_terminated(self) -> bool: ...
+
+
+@dataclass(frozen=True)
+class OwedDraftRows:
+    """Target rows an MTP draft has not run over yet, at positions `start ..`: row `p` is the
+    target's hidden state at `p` (`hidden[p - start]`) followed by the token at `p + 1`
+    (`following[p - start]`). A speculative worker that decoded a request without
+    speculation leaves them with the request's cached state when it finishes, instead of
+    running the draft over them then; a request that resumes from that state takes them
+    back, and the draft runs over them before it first proposes for it."""
+
+    start: int
+    hidden: torch.Tensor  # [n, D]
+    following: tuple[int, ...]
 
 
 @dataclass
@@ -84,6 +101,8 @@ class Req:
     draft_tokens: list[int] | None = None
     spec_verify_ct: int = 0
     spec_accept_hist: list[int] = field(default_factory=list)  # [m]: rounds that accepted m drafts
+    # rows the draft owes the cached state this request finished with, or resumed from
+    owed_draft_rows: OwedDraftRows | None = None
     parent_rid: str | None = None  # the client's request id when this is one of its n choices
 
     @property

@@ -171,6 +171,10 @@ class PlainWorker:
         for them here, and no drafts come back."""
         return [None] * len(reqs)
 
+    def owed_draft_rows(self, req) -> None:
+        """Rows a draft has not run over for `req` (none: there is no draft)."""
+        return None
+
     def step(
         self, prefill: Sequence[Chunk], decode: Sequence
     ) -> tuple[list[TokenOutput], list[TokenOutput]]:

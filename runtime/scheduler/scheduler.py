@@ -319,8 +319,9 @@ class Scheduler:
 
     def _release_finished(self) -> None:
         """Free the requests that finished in this step, the prefix cache keeping their state;
-        the worker lets go of them all at once (a speculative worker may run its draft over
-        each one's skipped rows first, in one batch)."""
+        the worker lets go of them all at once (a speculative worker leaves the rows its
+        draft skipped with each one, `Req.owed_draft_rows`, for the cache to keep, or runs
+        the draft over them first, in one batch)."""
         finishing, self._finishing = self._finishing, []
         if not finishing:
             return
@@ -398,7 +399,7 @@ class Scheduler:
         if chunk.end >= len(req.prompt_ids):
             req.input_logprobs_done = True
         if not chunk.completes:
-            self.prefix_cache.after_prefill_chunk(req)
+            self.prefix_cache.after_prefill_chunk(req, self.worker.owed_draft_rows(req))
         self._store_speculation(req, out)
         if chunk.completes and req.sampling_params.max_new_tokens == 0:
             # a scoring request (prompt logprobs only): its prefill is all it wanted

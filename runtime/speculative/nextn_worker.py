@@ -32,8 +32,10 @@ run over (`UndraftedRows`). When the batch shrinks, the draft first extends over
 rows of each such request, as over a prefill chunk, and proposes from the newest, as it
 would after a verify round; then every request of the step verifies in one round. Prompt
 chunks prefilled while the next decode step is expected to run plainly keep their rows the
-same way instead of a draft pass (`_defers`): a request that finishes before speculating
-again then costs the draft at most one pass over its newest rows.
+same way instead of a draft pass (`_defers`). A request that finishes before speculating
+again costs the draft nothing: its newest rows go with the state the prefix cache keeps
+(`Req.owed_draft_rows`), and the draft runs over them only if a later request resumes
+from that state (`_adopt_owed`), as it catches up over its own skipped rows.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ import torch
 from runtime.configs.speculative import SpeculativeConfig
 from runtime.constrained import bitmask as grammar_bitmask
 from runtime.core.forward_mode import CaptureHiddenMode, ForwardMode
-from runtime.core.request import Req
+from runtime.core.request import OwedDraftRows, Req
 from runtime.core.step_io import Chunk, TokenOutput
 from runtime.execution.model_runner import ModelInput, ModelRunner
 from runtime.execution.penalties import RowHistory, adjust_logits
@@ -124,6 +126,13 @@ class UndraftedRows:
     def __len__(self) -> int:
         return len(self.following)
 
+    def owed(self) -> OwedDraftRows:
+        return OwedDraftRows(self.start, torch.stack(self.hidden), tuple(self.following))
+
+    @classmethod
+    def resumed(cls, req: Req, owed: OwedDraftRows) -> UndraftedRows:
+        return cls(req, owed.start, list(owed.hidden.unbind(0)), list(owed.following))
+
 
 class NextNWorker:
     supports_mixed = True
@@ -157,6 +166,7 @@ class NextNWorker:
     def step(
         self, prefill: Sequence[Chunk], decode: Sequence[Req]
     ) -> tuple[list[TokenOutput], list[TokenOutput]]:
+        self._adopt_owed([c.req for c in prefill] + list(decode))
         if not decode:
             decode_out = []
         elif self.speculates(len(decode)):
@@ -167,18 +177,44 @@ class NextNWorker:
 
     def release(self, reqs: Sequence[Req], keep_state: bool = False) -> list[list[int] | None]:
         """`reqs` leave the running batch (finished, retracted or aborted) and their rows are
-        dropped. `keep_state`: the prefix cache keeps their state, so the draft first runs
-        over the rows (in one pass for all of them; the cached draft state is then what
-        speculating every step leaves, for a later request that resumes from it), and a
-        request that is not finished (retracted, to resume right there) gets the drafts of
-        its next round. Returns those drafts, None for the others."""
+        dropped. `keep_state`: the prefix cache keeps their state. With a window-only draft
+        a finished request's rows (its newest `kv_reach`) go with it
+        (`Req.owed_draft_rows`): the draft runs over them only for a later request that
+        resumes from that state. Otherwise the draft runs over the rows now, in one pass for
+        all of them, so the cached draft state is what speculating every step leaves; a
+        request that is not finished (retracted, to resume right there) also gets the
+        drafts of its next round. Returns those drafts, None for the others."""
         kept = {r.rid: self.undrafted.pop(r.rid) for r in reqs if r.rid in self.undrafted}
         if not kept or not keep_state:
             return [None] * len(reqs)
-        rows = list(kept.values())
-        batch = catch_up_draft_batch(rows, [not k.req.finished for k in rows])
-        drafts = dict(zip(kept, self.drafter.draft(batch)))
+        window_only = self.drafter.runner.model.kv_reach is not None
+        now = []
+        for rows in kept.values():
+            if rows.req.finished and window_only:
+                rows.req.owed_draft_rows = rows.owed()
+            else:
+                now.append(rows)
+        if not now:
+            return [None] * len(reqs)
+        drafted = self.drafter.draft(catch_up_draft_batch(now, [not k.req.finished for k in now]))
+        drafts = {rows.req.rid: d for rows, d in zip(now, drafted)}
         return [drafts.get(r.rid) for r in reqs]
+
+    def owed_draft_rows(self, req: Req) -> OwedDraftRows | None:
+        """The rows the draft has not run over for `req` (a copy: they keep growing here),
+        for a snapshot of its state taken now."""
+        rows = self.undrafted.get(req.rid)
+        return rows.owed() if rows else None
+
+    def _adopt_owed(self, reqs: Sequence[Req]) -> None:
+        """Requests resumed from a cached state the draft has not run over all of take its
+        rows as their own skipped ones: their prompt chunks defer and their first
+        speculating step catches the draft up over those rows and theirs together, which
+        leaves the draft's cache as a draft pass at the first request's release would have."""
+        for req in reqs:
+            if req.owed_draft_rows is not None:
+                self.undrafted[req.rid] = UndraftedRows.resumed(req, req.owed_draft_rows)
+                req.owed_draft_rows = None
 
     def _decode_plain(self, reqs: Sequence[Req]) -> list[TokenOutput]:
         """One plain decode step (exactly `PlainWorker`'s sampling), keeping each row for
@@ -262,12 +298,15 @@ class NextNWorker:
         of a draft pass now. While the next decode step is expected to run without
         speculation (this step's decode batch plus the requests whose prompts complete
         here reach `disable_by_batch_size`), a pass now may be wasted: a request that
-        finishes before speculation resumes needs the draft over its newest `kv_reach`
-        rows at most (when the prefix cache keeps its state), and none without a prefix
-        cache. A chunk of a request with rows kept already defers too, since the draft
-        reads the rows before it. Only with a window-only draft: a draft reading every row
-        would keep every prompt row's hidden state."""
-        if self.disable_by_batch_size is None or self.drafter.runner.model.kv_reach is None:
+        finishes before speculation resumes needs no draft pass (its newest `kv_reach`
+        rows go with the state the prefix cache keeps). A chunk of a request with rows
+        kept already defers too (a request resumed from a state the draft owes rows,
+        `_adopt_owed`, included), since the draft reads the rows before it. Only with a
+        window-only draft: a draft reading every row would keep every prompt row's hidden
+        state."""
+        if self.disable_by_batch_size is None and not self.undrafted:
+            return [False] * len(chunks)  # nothing skipped, nothing to skip
+        if self.drafter.runner.model.kv_reach is None:
             return [False] * len(chunks)
         joining = sum(c.completes for c in chunks)
         off = not self.speculates(num_decoding + joining)

@@ -207,26 +207,82 @@ def test_constrained_requests_catch_up_under_their_grammars():
     assert nextn.worker.stats.avg_accept_length > 1.5
 
 
-def test_the_prefix_cache_keeps_the_draft_state_of_rows_decoded_without_speculation(
-    checkpoint,
-):
-    """A first turn decodes without speculation; a second turn resends it with a few more
-    tokens and resumes from the prefix cache. Its drafts equal those of an engine that
-    speculated through the first turn: the draft ran over the skipped rows before the
-    prefix cache kept the request's state."""
+def test_the_prefix_cache_keeps_the_rows_the_draft_skipped(checkpoint):
+    """A first turn decodes without speculation. As it finishes, a window-only draft does
+    not run: its newest rows go with the state the prefix cache keeps. A second turn
+    resends it with a few more tokens, resumes from that state and speculates: the draft
+    runs over those rows before it first proposes, and the second turn's drafts and output
+    equal those of an engine that speculated through the first turn (a draft reading every
+    row runs over the rows as the first turn finishes instead)."""
     prompt = make_prompts(1, seed=5, low=20, high=21)[0]
     first = {"temperature": 0, "max_new_tokens": 30, "ignore_eos": True}
 
-    def second_turn_proposals(limit):
+    def second_turn(limit):
         engine = nextn_of(checkpoint, limit)
+        passes = []
+        draft = engine.worker.drafter.draft
+        engine.worker.drafter.draft = lambda batch: passes.append(batch) or draft(batch)
         answer = engine.generate(input_ids=prompt, sampling_params=first)["output_ids"]
+        snapshots = engine.scheduler.prefix_cache.tree._snapshots_by_age()
+        owed = [(s.position, s.owed_draft_rows) for s in snapshots if s.owed_draft_rows]
+        first_turn = (len(passes), owed)
         engine.worker.disable_by_batch_size = None  # the second turn speculates
         proposals = record_proposals(engine)
         out = engine.generate(input_ids=prompt + answer + [5, 6], sampling_params=first)
         assert out["meta_info"]["cached_tokens"] >= len(prompt) + len(answer) - 4
-        return out["output_ids"], proposals
+        assert not engine.worker.undrafted
+        drafts = {key: drafted for key, (drafted, _) in proposals.items()}
+        return out["output_ids"], drafts, first_turn
 
-    ids, proposals = second_turn_proposals(limit=1)
-    reference_ids, reference = second_turn_proposals(limit=None)
+    ids, proposals, (passes, owed) = second_turn(limit=1)
+    reference_ids, reference, _ = second_turn(limit=None)
+    reach = nextn_of(checkpoint).worker.drafter.runner.model.kv_reach
+    if reach is not None:
+        assert passes == 0
+        ((position, rows),) = owed  # the finishing snapshot's: the newest `reach` rows
+        assert len(rows.following) == reach == rows.hidden.shape[0]
+        assert rows.start + reach == position == len(prompt) + 30 - 1
+    else:
+        assert passes > 0 and owed == []
     assert ids == reference_ids
     assert proposals == reference
+
+
+def test_a_snapshot_taken_mid_prompt_keeps_the_rows_the_draft_skipped(checkpoint):
+    """A prompt prefills in chunks of 16 (the snapshot interval) while another request
+    decodes without speculation, so its chunks defer their draft pass and the snapshots
+    taken between them owe the draft their rows. A second request sharing 33 of its tokens
+    resumes at 32 and speculates (its first proposal reads the draft's rows up to 6
+    positions back): its drafts and output equal those of an engine that ran the draft
+    over every chunk as it prefilled."""
+    long, short = make_prompts(2, seed=7, low=50, high=51)
+    other = long[:33] + [3]
+    params = [{"temperature": 0, "max_new_tokens": n, "ignore_eos": True} for n in (8, 40)]
+
+    def second_request(limit):
+        engine = nextn_of(checkpoint, limit, radix_snapshot_interval=16)
+        engine.generate(input_ids=[long, short[:5]], sampling_params=params)
+        mid_prompt = {
+            s.position: s.owed_draft_rows
+            for s in engine.scheduler.prefix_cache.tree._snapshots_by_age()
+            if s.position in (16, 32)
+        }
+        engine.worker.disable_by_batch_size = None  # the second request speculates
+        proposals = record_proposals(engine)
+        out = engine.generate(input_ids=other, sampling_params=params[0])
+        assert out["meta_info"]["cached_tokens"] == 32
+        drafts = {key: drafted for key, (drafted, _) in proposals.items()}
+        return out["output_ids"], drafts, mid_prompt
+
+    ids, proposals, mid_prompt = second_request(limit=1)
+    reference_ids, reference, drafted = second_request(limit=None)
+    assert sorted(mid_prompt) == sorted(drafted) == [16, 32]
+    assert all(rows is None for rows in drafted.values())
+    reach = nextn_of(checkpoint).worker.drafter.runner.model.kv_reach
+    if reach is not None:
+        assert [(rows.start, len(rows.following)) for _, rows in sorted(mid_prompt.items())] == [
+            (16 - reach, reach),
+            (32 - reach, reach),
+        ]
+    assert ids == reference_ids
+    assert len(proposals) >= 2 and proposals == reference
