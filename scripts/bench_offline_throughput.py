@@ -66,8 +66,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="HF batch sizes to try (the best is kept)",
     )
     p.add_argument("--plot", help="PNG of output tokens/s and accept length against draft steps")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="run the dataset this many times per variant, the variants taking turns (every "
+        "engine built and warmed first), and report each variant's run of median throughput: "
+        "ratios then survive a machine whose speed drifts",
+    )
     args = p.parse_args(argv)
     flags.check_dataset_args(p, args)
+    if args.repeats < 1:
+        p.error("--repeats must be >= 1")
     return args
 
 
@@ -101,12 +111,18 @@ def run_all(engine, args, dataset, desc: str) -> tuple[list[dict], float]:
     return [engine.result(r) for r in reqs], duration
 
 
-def measure(engine, variant: Variant, args, dataset) -> dict:
-    """One run of the whole dataset through `engine`; SGLang's result keys."""
+def warm_up(engine, args, dataset) -> None:
+    """A few of the prompts through `engine`, then every captured bucket the run can meet
+    compiled; the prefix cache is flushed so the timed run cannot reuse the warm-up."""
     if not args.skip_warmup:
         run_all(engine, args, warmup_subset(dataset), "warmup")
         compile_captured_buckets(engine, min(len(dataset), engine.config.max_running_requests))
-        engine.flush_cache()  # the timed run must not reuse the warm-up's prompts
+        engine.flush_cache()
+
+
+def measure(engine, variant: Variant, args, dataset) -> dict:
+    """One run of the whole dataset through `engine` (warmed up, its prefix cache empty);
+    SGLang's result keys."""
     before = spec_counters(engine)
     results, duration = run_all(engine, args, dataset, variant.label)
     ok = [r for r in results if r["meta_info"]["finish_reason"]["type"] != "abort"]
@@ -126,6 +142,60 @@ def measure(engine, variant: Variant, args, dataset) -> dict:
         sum(r["meta_info"]["completion_tokens"] for r in ok),
         accept_length_between(before, spec_counters(engine)),
     )
+
+
+def run_variants(args, variants: list[Variant]) -> tuple[list[tuple[Variant, dict]], list]:
+    """Each variant's result over the dataset, and the dataset. One run each, one engine
+    at a time; with `--repeats N` every engine is built and warmed first, then the variants
+    take turns N times and each keeps its run of median throughput, so drift of the machine
+    moves every variant alike instead of whichever ran during it."""
+    engines, dataset = [], None
+    runs: dict[str, list[dict]] = {v.label: [] for v in variants}
+    for variant in variants:
+        engine = make_engine(
+            args,
+            variant,
+            page_size=args.page_size,
+            max_total_tokens=args.max_total_tokens,
+            chunked_prefill_size=args.chunked_prefill_size,
+        )
+        if dataset is None:
+            try:
+                dataset = build_dataset(args, engine)
+            except ValueError as err:
+                print(f"bench_offline_throughput: error: {err}", file=sys.stderr)
+                raise SystemExit(2) from None
+        warm_up(engine, args, dataset)
+        engines.append(engine)
+        if args.repeats == 1:
+            runs[variant.label].append(measure_or_exit(engine, variant, args, dataset))
+            print_offline_result(runs[variant.label][-1])
+            engines[-1] = engine = None  # one engine in memory at a time
+    for turn in range(args.repeats if args.repeats > 1 else 0):
+        for variant, engine in zip(variants, engines):
+            result = measure_or_exit(engine, variant, args, dataset)
+            engine.flush_cache()  # the next turn prefills every prompt again
+            runs[variant.label].append(result)
+            print(
+                f"turn {turn + 1}/{args.repeats} {variant.label}: "
+                f"{result['output_throughput']:.2f} output tok/s in {result['total_latency']:.2f} s"
+            )
+    results = []
+    for variant in variants:
+        ordered = sorted(runs[variant.label], key=lambda r: r["output_throughput"])
+        result = ordered[(len(ordered) - 1) // 2]  # the lower middle of an even count
+        if args.repeats > 1:
+            print_offline_result(result)
+        results.append((variant, result))
+    return results, dataset
+
+
+def measure_or_exit(engine, variant: Variant, args, dataset) -> dict:
+    try:
+        return measure(engine, variant, args, dataset)
+    except InvalidRequestError as err:  # e.g. a prompt longer than the context
+        print(f"bench_offline_throughput: error: {err}", file=sys.stderr)
+        raise SystemExit(1) from None
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -150,30 +220,9 @@ def main(argv: list[str] | None = None) -> dict:
         f"model: {model_path}, dtype: {args.dtype}, torch threads: {threads}, "
         f"variants: {', '.join(v.label for v in variants)}"
     )
-    results, dataset = [], None
-    for variant in variants:
-        engine = make_engine(
-            args,
-            variant,
-            page_size=args.page_size,
-            max_total_tokens=args.max_total_tokens,
-            chunked_prefill_size=args.chunked_prefill_size,
-        )
-        if dataset is None:
-            try:
-                dataset = build_dataset(args, engine)
-            except ValueError as err:
-                print(f"bench_offline_throughput: error: {err}", file=sys.stderr)
-                raise SystemExit(2) from None
-        try:
-            result = measure(engine, variant, args, dataset)
-        except InvalidRequestError as err:  # e.g. a prompt longer than the context
-            print(f"bench_offline_throughput: error: {err}", file=sys.stderr)
-            raise SystemExit(1) from None
-        print_offline_result(result)
-        results.append((variant, result))
+    results, dataset = run_variants(args, variants)
+    for variant, result in results:
         append_jsonl(args.result_filename, {**config, **result, "variant": variant.label})
-        del engine
     hf = None
     if args.hf_baseline:
         hf = hf_baseline.in_own_process(

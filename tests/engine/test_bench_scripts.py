@@ -373,6 +373,48 @@ def test_offline_compare_with_hf_and_plot(ckpt, tmp_path, capsys):
         assert png.stat().st_size > 0
 
 
+def test_offline_repeats_take_turns_and_report_the_median_run(ckpt, tmp_path, capsys):
+    """`--repeats 3`: both variants run the dataset three times, taking turns (each turn
+    prefills every prompt again), and each reports its run of median throughput."""
+    jsonl = tmp_path / "offline.jsonl"
+    script("bench_offline_throughput").main(
+        [
+            "--model-path",
+            str(ckpt),
+            *COMMON,
+            "--compare",
+            "--speculative-num-steps",
+            "2",
+            "--repeats",
+            "3",
+            "--num-prompts",
+            "4",
+            "--random-input-len",
+            "10",
+            "--random-output-len",
+            "5",
+            "--random-range-ratio",
+            "1",
+            "--result-filename",
+            str(jsonl),
+        ]
+    )
+    text = capsys.readouterr().out
+    turns = re.findall(r"^turn (\d)/3 (\S+): ([\d.]+) output tok/s", text, re.MULTILINE)
+    labels = ["plain", "NEXTN(steps=2)"]
+    assert [(int(t), label) for t, label, _ in turns] == [
+        (t, label) for t in (1, 2, 3) for label in labels
+    ]
+    records = read_jsonl(jsonl)
+    assert [r["variant"] for r in records] == labels
+    for record, rows in zip(records, blocks(text, "Offline Throughput Benchmark Result")):
+        runs = sorted(float(x) for _, label, x in turns if label == record["variant"])
+        assert close(record["output_throughput"], runs[1], abs_=0.01)
+        assert record["total_output_tokens"] == 4 * 5
+        check_offline_block(rows, record)
+    assert records[1]["accept_length"] >= 1.0
+
+
 def test_offline_prompt_file(ckpt, tmp_path, capsys):
     data = tmp_path / "prompts.jsonl"
     data.write_text('{"prompt": "def fib(n):", "output_len": 3}\n{"prompt": "hello"}\nplain line\n')
