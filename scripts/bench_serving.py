@@ -34,6 +34,7 @@ spreads each chunk's gap over the tokens it carried, TPOT = (E2E - TTFT) / (outp
 from __future__ import annotations
 
 import argparse
+import contextlib
 import random
 import sys
 import time
@@ -60,6 +61,7 @@ from scripts.bench.report import (
 from scripts.bench.serving_client import (
     BACKENDS,
     check_reachable,
+    flush_cache,
     http_get_json,
     run_conversations,
     run_requests,
@@ -120,8 +122,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=600.0,
         help="seconds to wait for a launched server's /health",
     )
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="with --launch-server: start every variant's server first, then run the dataset "
+        "this many times per variant, the variants taking turns (each server's prefix cache "
+        "flushed before each run), and report each variant's run of median output "
+        "throughput: ratios then survive a machine whose speed drifts",
+    )
     args = p.parse_args(argv)
     flags.check_dataset_args(p, args)
+    if args.repeats < 1:
+        p.error("--repeats must be >= 1")
+    if args.repeats > 1 and not args.launch_server:
+        p.error("--repeats needs --launch-server (the servers run side by side)")
     if args.max_concurrency is not None and args.max_concurrency < 1:
         p.error("--max-concurrency must be >= 1")
     if args.request_rate <= 0:
@@ -241,6 +256,33 @@ def benchmark(args, base_url: str, variant: Variant | None) -> dict:
     return record
 
 
+def benchmark_in_turns(args, variants: list[Variant]) -> list[dict]:
+    """Every variant's server started (and warm) first, then `--repeats` turns in which
+    each runs the dataset once, its prefix cache flushed first; each variant's record is
+    its run of median output throughput. An idle server waits on its request queue, so
+    the others' runs share the machine with nothing but each other's drift."""
+    runs: dict[str, list[dict]] = {v.label: [] for v in variants}
+    with contextlib.ExitStack() as stack:
+        servers = [stack.enter_context(LaunchedServer(args, v)) for v in variants]
+        for turn in range(args.repeats):
+            for variant, server in zip(variants, servers):
+                flush_cache(server.base_url)
+                record = benchmark(args, server.base_url, variant)
+                runs[variant.label].append(record)
+                print(
+                    f"turn {turn + 1}/{args.repeats} {variant.label}: "
+                    f"{record['output_throughput']:.2f} output tok/s in "
+                    f"{record['duration']:.2f} s"
+                )
+    records = []
+    for variant in variants:
+        ordered = sorted(runs[variant.label], key=lambda r: r["output_throughput"])
+        records.append(ordered[(len(ordered) - 1) // 2])  # the lower middle of an even count
+        print(f"{variant.label}: the run of median output throughput")
+        print_serving_result(records[-1], args.backend, args.request_rate, args.max_concurrency)
+    return records
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
     try:
@@ -263,9 +305,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
             check_reachable(base_url)
             records.append(benchmark(args, base_url, None))
             return records
-        for variant in variants:
-            with LaunchedServer(args, variant) as server:
-                records.append(benchmark(args, server.base_url, variant))
+        if args.repeats == 1:
+            for variant in variants:
+                with LaunchedServer(args, variant) as server:
+                    records.append(benchmark(args, server.base_url, variant))
+        else:
+            records = benchmark_in_turns(args, variants)
     except (RuntimeError, ValueError, OSError) as err:
         print(f"bench_serving: error: {err}", file=sys.stderr)
         raise SystemExit(1) from None

@@ -41,6 +41,16 @@ def http_get_json(base_url: str, path: str, timeout: float = HTTP_TIMEOUT_S) -> 
     return resp.json()
 
 
+def flush_cache(base_url: str, timeout: float = HTTP_TIMEOUT_S) -> None:
+    """`POST /flush_cache` (SGLang's): the server's prefix cache forgets everything, so a
+    repeated run of the same prompts prefills them again."""
+    import requests
+
+    resp = requests.post(base_url + "/flush_cache", timeout=timeout)
+    if resp.status_code != 200:
+        raise RuntimeError(f"{base_url}/flush_cache answered {resp.status_code}: {resp.text}")
+
+
 def check_reachable(base_url: str) -> None:
     """A clear error when nothing answers at `base_url`."""
     import requests

@@ -574,6 +574,48 @@ def test_serving_launch_server_compare(ckpt, tmp_path, capsys):
     assert close(got, nextn["output_throughput"] / plain["output_throughput"], abs_=1e-3)
 
 
+def test_serving_repeats_run_the_servers_side_by_side_in_turns(ckpt, tmp_path, capsys):
+    """`--repeats 2`: both servers start first, then each runs the prompts twice, taking
+    turns (its prefix cache flushed before each run), and the ratios come from each
+    variant's run of median throughput (the lower of two)."""
+    jsonl = tmp_path / "serving.jsonl"
+    records = script("bench_serving").main(
+        [
+            "--launch-server",
+            "--compare",
+            "--repeats",
+            "2",
+            "--model-path",
+            str(ckpt),
+            *COMMON,
+            "--num-prompts",
+            "3",
+            "--random-input-len",
+            "8",
+            "--random-output-len",
+            "4",
+            "--random-range-ratio",
+            "1",
+            "--output-file",
+            str(jsonl),
+        ]
+    )
+    text = capsys.readouterr().out
+    runs = read_jsonl(jsonl)
+    labels = ["plain", "NEXTN(steps=3)"]
+    assert [r["variant"] for r in runs] == labels * 2
+    assert text.count("launching:") == 2 and text.index("launching:", 1) < text.index("turn 1/2")
+    turns = re.findall(r"^turn (\d)/2 (\S+): ([\d.]+) output tok/s", text, re.MULTILINE)
+    assert [(int(t), label) for t, label, _ in turns] == [(t, v) for t in (1, 2) for v in labels]
+    for label, record in zip(labels, records, strict=True):
+        mine = [r for r in runs if r["variant"] == label]
+        assert record == min(mine, key=lambda r: r["output_throughput"])
+        assert all(r["total_output_tokens"] == 3 * 4 for r in mine)
+    got = ratios(text)["NEXTN(steps=3)/plain output token throughput"]
+    expected = records[1]["output_throughput"] / records[0]["output_throughput"]
+    assert close(got, expected, abs_=1e-3)
+
+
 def test_multiturn_conversations_resend_their_history():
     convs = datasets.multiturn_conversations(3, 2, 3, 10, 4, 5, 1.0, vocab_size=50)
     assert convs[0].system == convs[1].system and len(convs[0].system) == 10
