@@ -37,10 +37,10 @@ class GrammarState(Protocol):
 class OwedDraftRows:
     """Target rows an MTP draft has not run over yet, at positions `start ..`: row `p` is the
     target's hidden state at `p` (`hidden[p - start]`) followed by the token at `p + 1`
-    (`following[p - start]`). A speculative worker that decoded a request without
-    speculation leaves them with the request's cached state when it finishes, instead of
-    running the draft over them then; a request that resumes from that state takes them
-    back, and the draft runs over them before it first proposes for it."""
+    (`following[p - start]`). Where a speculative worker skipped the draft (speculation off
+    in large batches), a snapshot of the request's state (taken when it finishes, or after a
+    prefill chunk) keeps them instead of a draft pass then; a request that resumes from that
+    state takes them back, and the draft runs over them before it first proposes for it."""
 
     start: int
     hidden: torch.Tensor  # [n, D]
