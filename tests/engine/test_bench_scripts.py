@@ -541,27 +541,18 @@ def test_serving_against_a_running_server(nextn_server, ckpt, backend, extra, tm
         assert close(record["mean_ttft_ms"], record["mean_e2e_latency_ms"], abs_=1e-6)
 
 
+def launched_comparison(ckpt, jsonl, *extra: str) -> list[dict]:
+    """`bench_serving --launch-server --compare` over 3 short prompts."""
+    return script("bench_serving").main(
+        ["--launch-server", "--compare", *extra, "--model-path", str(ckpt), *COMMON]
+        + ["--num-prompts", "3", "--random-input-len", "8", "--random-output-len", "4"]
+        + ["--random-range-ratio", "1", "--output-file", str(jsonl)]
+    )
+
+
 def test_serving_launch_server_compare(ckpt, tmp_path, capsys):
     jsonl = tmp_path / "serving.jsonl"
-    script("bench_serving").main(
-        [
-            "--launch-server",
-            "--compare",
-            "--model-path",
-            str(ckpt),
-            *COMMON,
-            "--num-prompts",
-            "3",
-            "--random-input-len",
-            "8",
-            "--random-output-len",
-            "4",
-            "--random-range-ratio",
-            "1",
-            "--output-file",
-            str(jsonl),
-        ]
-    )
+    launched_comparison(ckpt, jsonl)
     text = capsys.readouterr().out
     plain, nextn = read_jsonl(jsonl)
     assert (plain["variant"], nextn["variant"]) == ("plain", "NEXTN(steps=3)")
@@ -579,27 +570,7 @@ def test_serving_repeats_run_the_servers_side_by_side_in_turns(ckpt, tmp_path, c
     turns (its prefix cache flushed before each run), and the ratios come from each
     variant's run of median throughput (the lower of two)."""
     jsonl = tmp_path / "serving.jsonl"
-    records = script("bench_serving").main(
-        [
-            "--launch-server",
-            "--compare",
-            "--repeats",
-            "2",
-            "--model-path",
-            str(ckpt),
-            *COMMON,
-            "--num-prompts",
-            "3",
-            "--random-input-len",
-            "8",
-            "--random-output-len",
-            "4",
-            "--random-range-ratio",
-            "1",
-            "--output-file",
-            str(jsonl),
-        ]
-    )
+    records = launched_comparison(ckpt, jsonl, "--repeats", "2")
     text = capsys.readouterr().out
     runs = read_jsonl(jsonl)
     labels = ["plain", "NEXTN(steps=3)"]
