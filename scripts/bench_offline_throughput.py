@@ -28,6 +28,7 @@ from scripts.bench import flags, hf_baseline
 from scripts.bench.datasets import requests_from_args, warmup_subset
 from scripts.bench.report import (
     append_jsonl,
+    median_run,
     plot_offline,
     print_offline_ratios,
     print_offline_result,
@@ -66,18 +67,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="HF batch sizes to try (the best is kept)",
     )
     p.add_argument("--plot", help="PNG of output tokens/s and accept length against draft steps")
-    p.add_argument(
-        "--repeats",
-        type=int,
-        default=1,
-        help="run the dataset this many times per variant, the variants taking turns (every "
-        "engine built and warmed first), and report each variant's run of median throughput: "
-        "ratios then survive a machine whose speed drifts",
-    )
+    flags.add_repeats_arg(p, "dataset", " (every engine built and warmed first)")
     args = p.parse_args(argv)
     flags.check_dataset_args(p, args)
-    if args.repeats < 1:
-        p.error("--repeats must be >= 1")
+    flags.check_repeats(p, args)
     return args
 
 
@@ -166,12 +159,13 @@ def run_variants(args, variants: list[Variant]) -> tuple[list[tuple[Variant, dic
                 print(f"bench_offline_throughput: error: {err}", file=sys.stderr)
                 raise SystemExit(2) from None
         warm_up(engine, args, dataset)
-        engines.append(engine)
-        if args.repeats == 1:
+        if args.repeats > 1:
+            engines.append(engine)
+        else:  # one run now, one engine in memory at a time
             runs[variant.label].append(measure_or_exit(engine, variant, args, dataset))
             print_offline_result(runs[variant.label][-1])
-            engines[-1] = engine = None  # one engine in memory at a time
-    for turn in range(args.repeats if args.repeats > 1 else 0):
+            del engine
+    for turn in range(args.repeats if engines else 0):
         for variant, engine in zip(variants, engines):
             result = measure_or_exit(engine, variant, args, dataset)
             engine.flush_cache()  # the next turn prefills every prompt again
@@ -182,9 +176,8 @@ def run_variants(args, variants: list[Variant]) -> tuple[list[tuple[Variant, dic
             )
     results = []
     for variant in variants:
-        ordered = sorted(runs[variant.label], key=lambda r: r["output_throughput"])
-        result = ordered[(len(ordered) - 1) // 2]  # the lower middle of an even count
-        if args.repeats > 1:
+        result = median_run(runs[variant.label], "output_throughput")
+        if engines:
             print_offline_result(result)
         results.append((variant, result))
     return results, dataset

@@ -33,6 +33,7 @@ from scripts.bench.overhead import profile_overhead
 from scripts.bench.report import (
     append_jsonl,
     latency_row,
+    median_run,
     plot_one_batch,
     print_one_batch_row,
     print_one_batch_summary,
@@ -73,13 +74,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "then fresh prefills of the same prompts with the prefix cache flushed; HF the "
         "same) and report the median: one prefill per batch size is a single timing",
     )
-    p.add_argument(
-        "--repeats",
-        type=int,
-        default=1,
-        help="run every setting this many times, the variants taking turns, and report the "
-        "run of median decode throughput (ratios then survive a machine whose speed drifts)",
-    )
+    flags.add_repeats_arg(p, "setting")
     p.add_argument("--run-name", default="default", help="tag stored in the JSONL records")
     p.add_argument("--result-filename", help="append one JSONL record per row")
     flags.add_hf_baseline_arg(p)
@@ -96,8 +91,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} values must be >= 1")
     if args.prefill_repeats < 1:
         p.error("--prefill-repeats must be >= 1")
-    if args.repeats < 1:
-        p.error("--repeats must be >= 1")
+    flags.check_repeats(p, args)
     if min(args.output_len) < 2:
         p.error(
             "--output-len values must be >= 2 (the prefill token plus at least one decode step)"
@@ -234,19 +228,13 @@ def run_variants(args, variants: list[Variant], settings) -> tuple[list, list, d
     rows, reference = [], {}
     for variant in variants:
         for setting in settings:
-            row = median_run(runs[(variant.label, setting)])
+            row = median_run(runs[(variant.label, setting)], "decode_throughput")
             reference.setdefault(setting, row["output_ids"])
             rows.append(row)
     overhead = []
     if args.profile_overhead:
         overhead = [profile_overhead(e, v, args) for v, e in zip(variants, engines)]
     return rows, overhead, reference
-
-
-def median_run(rows: list[dict]) -> dict:
-    """The run of median decode throughput (the lower middle one of an even count)."""
-    ordered = sorted(rows, key=lambda row: row["decode_throughput"])
-    return ordered[(len(ordered) - 1) // 2]
 
 
 def main(argv: list[str] | None = None) -> dict:

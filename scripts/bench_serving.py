@@ -52,6 +52,7 @@ from scripts.bench.datasets import (
 from scripts.bench.launched_server import LaunchedServer
 from scripts.bench.report import (
     append_jsonl,
+    median_run,
     multiturn_metrics,
     print_cache_ratios,
     print_serving_ratios,
@@ -122,19 +123,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=600.0,
         help="seconds to wait for a launched server's /health",
     )
-    p.add_argument(
-        "--repeats",
-        type=int,
-        default=1,
-        help="with --launch-server: start every variant's server first, then run the dataset "
-        "this many times per variant, the variants taking turns (each server's prefix cache "
-        "flushed before each run), and report each variant's run of median output "
-        "throughput: ratios then survive a machine whose speed drifts",
+    flags.add_repeats_arg(
+        p,
+        "dataset",
+        " (with --launch-server: every variant's server started first, its prefix cache "
+        "flushed before each run)",
     )
     args = p.parse_args(argv)
     flags.check_dataset_args(p, args)
-    if args.repeats < 1:
-        p.error("--repeats must be >= 1")
+    flags.check_repeats(p, args)
     if args.repeats > 1 and not args.launch_server:
         p.error("--repeats needs --launch-server (the servers run side by side)")
     if args.max_concurrency is not None and args.max_concurrency < 1:
@@ -276,8 +273,7 @@ def benchmark_in_turns(args, variants: list[Variant]) -> list[dict]:
                 )
     records = []
     for variant in variants:
-        ordered = sorted(runs[variant.label], key=lambda r: r["output_throughput"])
-        records.append(ordered[(len(ordered) - 1) // 2])  # the lower middle of an even count
+        records.append(median_run(runs[variant.label], "output_throughput"))
         print(f"{variant.label}: the run of median output throughput")
         print_serving_result(records[-1], args.backend, args.request_rate, args.max_concurrency)
     return records

@@ -214,3 +214,21 @@ def add_hf_baseline_arg(parser: argparse.ArgumentParser) -> None:
         "made (they speed transformers up too) instead of in a fresh interpreter with the "
         "allocator's defaults, as transformers runs on its own",
     )
+
+
+def add_repeats_arg(parser: argparse.ArgumentParser, unit: str, detail: str = "") -> None:
+    """`--repeats N`: every variant built and warmed first, then the variants take turns N
+    times and each reports its run of median throughput (`report.median_run`)."""
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help=f"run every {unit} this many times, the variants taking turns{detail}, and report "
+        "each variant's run of median throughput: ratios then survive a machine whose speed "
+        "drifts",
+    )
+
+
+def check_repeats(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.repeats < 1:
+        parser.error("--repeats must be >= 1")

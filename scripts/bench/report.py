@@ -87,6 +87,11 @@ def percentiles(values: list[float], *, scale: float = 1000.0) -> dict:
     }
 
 
+def median_run(runs: list[dict], key: str) -> dict:
+    """The run of median `key` (`--repeats`; the lower middle one of an even count)."""
+    return sorted(runs, key=lambda run: run[key])[(len(runs) - 1) // 2]
+
+
 def run_config(args: argparse.Namespace, model_path: str, torch_threads: int | None) -> dict:
     """The settings every JSONL record carries, so results read on their own."""
     return {
