@@ -33,13 +33,17 @@ from __future__ import annotations
 import enum
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from runtime.cache.radix_cache import PrefixMatch, RadixCache, RadixNode
 from runtime.cache.slot_table import SlotTable
 from runtime.cache.state_snapshots import StateSnapshots
 from runtime.core.request import OwedDraftRows, Req
+
+# what a speculative worker's draft still owes a request's state, asked for when a snapshot
+# of that state is taken (a copy of its skipped rows, `NextNWorker.owed_draft_rows`)
+OwedRowsSource = Callable[[], OwedDraftRows | None]
 
 # A waiting request holds back for a running one only when they share at least this many
 # more tokens than the cache already gives it (waiting for a few template tokens costs
@@ -132,9 +136,10 @@ class PrefixCache:
         """Where a prefill chunk `[start, end)` should stop instead (a snapshot point)."""
         return end
 
-    def after_prefill_chunk(self, req: Req, owed: OwedDraftRows | None = None) -> None:
-        """`req.num_cached` just advanced to the end of a prefill chunk; `owed`: the rows up
-        to there its MTP draft has not run over (a snapshot taken here keeps them)."""
+    def after_prefill_chunk(self, req: Req, owed: OwedRowsSource = lambda: None) -> None:
+        """`req.num_cached` just advanced to the end of a prefill chunk; `owed()`: the rows up
+        to there its MTP draft has not run over (asked for only when a snapshot taken here
+        keeps them)."""
 
     def make_room(self, num_pages: int) -> int:
         """Free up to `num_pages` pages the cache holds; returns how many it freed."""
@@ -244,11 +249,11 @@ class RadixPrefixCache(PrefixCache):
             points.append((start // self.snapshot_interval + 1) * self.snapshot_interval)
         return min([c for c in points if c < end], default=end)
 
-    def after_prefill_chunk(self, req: Req, owed: OwedDraftRows | None = None) -> None:
+    def after_prefill_chunk(self, req: Req, owed: OwedRowsSource = lambda: None) -> None:
         pos, idx = req.num_cached, req.req_pool_idx
         interval = self.snapshot_interval
         if pos in self._cuts.get(idx, ()) or (interval > 0 and pos % interval == 0):
-            self._cache(req, idx, finishing=False, owed=owed)
+            self._cache(req, idx, finishing=False, owed=owed())
 
     def make_room(self, num_pages: int) -> int:
         return self.tree.evict(num_pages)

@@ -31,6 +31,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 from collections.abc import Callable
+from functools import partial
 
 from runtime.cache.prefix_cache import Admission, PrefixCache
 from runtime.cache.slot_table import SlotTable
@@ -399,7 +400,7 @@ class Scheduler:
         if chunk.end >= len(req.prompt_ids):
             req.input_logprobs_done = True
         if not chunk.completes:
-            self.prefix_cache.after_prefill_chunk(req, self.worker.owed_draft_rows(req))
+            self.prefix_cache.after_prefill_chunk(req, partial(self.worker.owed_draft_rows, req))
         self._store_speculation(req, out)
         if chunk.completes and req.sampling_params.max_new_tokens == 0:
             # a scoring request (prompt logprobs only): its prefill is all it wanted
