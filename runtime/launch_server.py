@@ -57,6 +57,16 @@ def graceful_server(app, args: ServerArgs):
     return GracefulServer(config)
 
 
+def describe_speculation_limit(spec, engine) -> str:
+    """Where the start-up line says decode steps run without speculation."""
+    policy = getattr(engine.worker, "policy", None)
+    if policy is not None and policy.measured:
+        return ", speculating in each captured batch bucket while its rounds measure faster"
+    if spec.disable_by_batch_size is not None:
+        return f", off in decode batches of {spec.disable_by_batch_size}+ requests"
+    return ""
+
+
 def build(args: ServerArgs):
     """Engine, its loop thread, metrics and the app for resolved `args`."""
     from runtime.engine.async_engine import AsyncEngine
@@ -111,11 +121,7 @@ def main(argv: list[str] | None = None) -> None:
         + (
             f"{spec.algorithm}, steps {spec.num_steps}, topk {spec.eagle_topk}, "
             f"draft tokens {spec.num_draft_tokens}"
-            + (
-                f", off in decode batches of {spec.disable_by_batch_size}+ requests"
-                if spec.disable_by_batch_size is not None
-                else ""
-            )
+            + describe_speculation_limit(spec, engine)
             + (
                 f", draft scores {len(spec.hot_token_ids)} hot tokens ({spec.token_map})"
                 if spec.hot_token_ids is not None

@@ -99,11 +99,12 @@ class EngineConfig:
     speculative_num_steps: int | None = setting(None, "draft steps per round (default 3)")
     speculative_eagle_topk: int | None = setting(None, "1 (chain drafting)")
     speculative_num_draft_tokens: int | None = setting(None, "verify width (steps + 1)")
-    speculative_disable_by_batch_size: int | None = setting(
-        None,
+    speculative_disable_by_batch_size: str | int | None = setting(
+        "auto",
         "decode steps of at least this many requests run without speculation (verify rounds "
-        "cost more than they save in large batches); the draft catches up when the batch "
-        "shrinks (default: always speculate)",
+        "cost more than they save in large batches; the draft catches up when the batch "
+        "shrinks); 'auto': each captured batch bucket speculates while its measured rounds "
+        "yield tokens faster than plain decode steps; 'none': always speculate",
     )
     speculative_token_map: str | None = setting(
         None,

@@ -20,8 +20,11 @@ class SpeculativeConfig:
     eagle_topk: int  # 1: chain drafting
     num_draft_tokens: int  # verify width N = S + 1
     # a decode step of at least this many requests runs without speculation (vLLM's
-    # `speculative_disable_by_batch_size`); None: every step speculates
+    # `speculative_disable_by_batch_size`); None: every step speculates, unless `measured`
     disable_by_batch_size: int | None = None
+    # `auto`: each captured batch bucket speculates while its measured rounds yield tokens
+    # faster than plain decode steps (`speculation_policy.MeasuredSpeculation`)
+    measured: bool = False
     # the draft's LM head scores only these ids (FR-Spec, SGLang's `--speculative-token-map`),
     # read from the file `token_map`; None: the whole vocabulary
     token_map: str | None = None
@@ -34,12 +37,15 @@ class SpeculativeConfig:
         num_steps: int | None = None,
         eagle_topk: int | None = None,
         num_draft_tokens: int | None = None,
-        disable_by_batch_size: int | None = None,
+        disable_by_batch_size: int | str | None = None,
         token_map: str | None = None,
     ) -> SpeculativeConfig | None:
-        """None when speculation is off. Raises ValueError with the fix for bad settings."""
+        """None when speculation is off. Raises ValueError with the fix for bad settings.
+        `disable_by_batch_size`: a batch size, `auto` (measured) or None / `none` (always
+        speculate)."""
+        limit, measured = parse_disable_by_batch_size(disable_by_batch_size)
         if algorithm is None or str(algorithm).upper() in ("", "NONE"):
-            shape = (num_steps, eagle_topk, num_draft_tokens, disable_by_batch_size, token_map)
+            shape = (num_steps, eagle_topk, num_draft_tokens, limit, token_map)
             if any(v is not None for v in shape):
                 raise ValueError("speculative options need --speculative-algorithm NEXTN")
             return None
@@ -67,12 +73,32 @@ class SpeculativeConfig:
                 steps,
                 tokens,
             )
-        if disable_by_batch_size is not None and int(disable_by_batch_size) < 1:
-            raise ValueError(
-                "--speculative-disable-by-batch-size must be >= 1 (a decode step of at least "
-                f"that many requests runs without speculation), got {disable_by_batch_size}"
-            )
-        limit = None if disable_by_batch_size is None else int(disable_by_batch_size)
         if token_map is None:
-            return cls(name, steps, topk, tokens, limit)
-        return cls(name, steps, topk, tokens, limit, str(token_map), load_token_map(token_map))
+            return cls(name, steps, topk, tokens, limit, measured)
+        return cls(
+            name, steps, topk, tokens, limit, measured, str(token_map), load_token_map(token_map)
+        )
+
+    def describe_limit(self) -> str | None:
+        """`auto`, the batch size from which decode steps run plainly, or None (always)."""
+        return "auto" if self.measured else self.disable_by_batch_size
+
+
+def parse_disable_by_batch_size(value: int | str | None) -> tuple[int | None, bool]:
+    """(limit, measured) of `--speculative-disable-by-batch-size`: a batch size >= 1, `auto`
+    or `none`. ValueError names the flag."""
+    if value is None or str(value).strip().lower() == "none":
+        return None, False
+    if str(value).strip().lower() == "auto":
+        return None, True
+    try:
+        limit = int(value)
+    except (TypeError, ValueError):
+        limit = 0
+    if limit < 1 or str(limit) != str(value).strip():
+        raise ValueError(
+            "--speculative-disable-by-batch-size must be a batch size >= 1 (a decode step of "
+            "at least that many requests runs without speculation), 'auto' (measured per "
+            f"batch bucket) or 'none' (always speculate), got {value!r}"
+        )
+    return limit, False

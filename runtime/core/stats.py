@@ -24,7 +24,7 @@ class EngineInfo:
     speculative_num_steps: int | None = None
     speculative_eagle_topk: int | None = None
     speculative_num_draft_tokens: int | None = None
-    speculative_disable_by_batch_size: int | None = None
+    speculative_disable_by_batch_size: int | str | None = None  # a batch size, "auto", None
     speculative_token_map: str | None = None  # the draft's hot-vocabulary file, if any
     # what each rank of the replica holds after start-up: rank, pid, weights, kv_cache,
     # peak_rss (bytes), device_allocated
@@ -60,6 +60,10 @@ class EngineStats:
     spec_acceptance_rate_per_position: tuple[float, ...] | None = None
     spec_verify_rounds: int | None = None
     spec_emitted_tokens: int | None = None
+    spec_plain_decode_tokens: int | None = None  # decoded in steps that did not speculate
+    # with `--speculative-disable-by-batch-size auto`, per batch bucket: whether it speculates
+    # now, its measured round and plain step (ms) and how many of each it timed
+    spec_buckets: dict | None = None
 
     @property
     def is_idle(self) -> bool:

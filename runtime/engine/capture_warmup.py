@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 from runtime.core.forward_mode import ForwardMode
 from runtime.execution.graph_runner import StepKey
+from runtime.speculative.speculation_policy import FixedLimit
 
 logger = logging.getLogger(__name__)
 
@@ -48,10 +49,11 @@ def warm_up(engine, num_tokens: int = 8, sampled: bool = True) -> None:
     """One short greedy request through the engine, so each kind of step it runs is seen.
     Where greedy NEXTN rounds run as one fused step (`CapturedRound`), a sampled request
     (`sampled`) meets the steps of the round run step by step, which every other request
-    uses. With speculation off in large batches, another greedy one decodes without
-    speculating; it runs eagerly, so its plain decode step compiles only at the buckets a
-    large batch meets (`compile_buckets`), not at its own batch size. The prefix cache
-    forgets them all."""
+    uses. Where speculation may be off (in large batches, or in any bucket its measured
+    policy chooses), another greedy one decodes without speculating; it runs eagerly, so
+    its plain decode step compiles only at the buckets a batch meets (`compile_buckets`),
+    not at its own batch size. The prefix cache forgets them all, and a measured policy
+    the warm-up's timings."""
     bos = engine.bos_token_id
     width = engine.spec_config.num_draft_tokens if engine.spec_config else 1
     prompt = [bos if bos is not None else 0] + list(range(3, 3 + 2 * width))
@@ -62,19 +64,21 @@ def warm_up(engine, num_tokens: int = 8, sampled: bool = True) -> None:
     if sampled and fused is not None and fused.enabled():
         seeded = {**params, "temperature": 1.0, "sampling_seed": 0}
         engine.generate(input_ids=prompt, sampling_params=seeded)
-    limit = getattr(worker, "disable_by_batch_size", None)
-    if limit is not None:
+    policy = getattr(worker, "policy", None)
+    if policy is not None and policy.plain_from() is not None:
         graph_runners = [r.graph_runner for r in captured_runners(engine)]
         on_demand = [g.compiles_on_demand for g in graph_runners]
         try:
-            worker.disable_by_batch_size = 1
+            worker.policy = FixedLimit(1)
             for g in graph_runners:
                 g.compiles_on_demand = False
             engine.generate(input_ids=prompt, sampling_params=params)
         finally:
-            worker.disable_by_batch_size = limit
+            worker.policy = policy
             for g, was in zip(graph_runners, on_demand):
                 g.compiles_on_demand = was
+    if policy is not None:
+        policy.reset()  # the warm-up's steps timed its compiles, not the captured steps
     engine.flush_cache()
 
 
@@ -83,8 +87,9 @@ def reachable_steps(engine, runner) -> Callable[[StepKey], bool] | None:
     speculation off from `limit` requests on, verify rounds and the draft's steps run only
     in batches below `limit`, and the target's plain decode step only in batches of `limit`
     and more."""
-    limit = getattr(engine.worker, "disable_by_batch_size", None)
-    if limit is None:
+    policy = getattr(engine.worker, "policy", None)
+    limit = None if policy is None or policy.measured else policy.plain_from()
+    if limit is None:  # a measured policy may run either mode at any bucket
         return None
     graph_runner = runner.graph_runner
     plain_from = graph_runner.bucket_for(limit)  # None: no bucket holds such a batch

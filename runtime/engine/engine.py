@@ -184,7 +184,7 @@ class Engine:
             speculative_num_steps=spec.num_steps if spec else None,
             speculative_eagle_topk=spec.eagle_topk if spec else None,
             speculative_num_draft_tokens=spec.num_draft_tokens if spec else None,
-            speculative_disable_by_batch_size=spec.disable_by_batch_size if spec else None,
+            speculative_disable_by_batch_size=spec.describe_limit() if spec else None,
             speculative_token_map=spec.token_map if spec else None,
             rank_memory=tuple(report.to_json() for report in self.rank_memory),
         )
@@ -483,4 +483,5 @@ class Engine:
             spec_stats,
             self.num_finished_reqs,
             self.prefix_cache.stats(),
+            getattr(self.worker, "policy", None),
         )

@@ -70,9 +70,11 @@ def engine_stats(
     spec_stats=None,
     num_finished_reqs: int = 0,
     cache: PrefixCacheStats | None = None,
+    spec_policy=None,
 ) -> EngineStats:
     """Load, prefix cache and speculative counters right now; `spec_stats` is the NEXTN
-    worker's engine-wide `SpecStats` (None for plain decoding)."""
+    worker's engine-wide `SpecStats` (None for plain decoding), `spec_policy` its
+    `speculation_policy` (what a measured one chose per bucket)."""
     allocator = slot_table.allocator
     available = allocator.available_tokens()
     evictable = cache.evictable_tokens if cache is not None else 0
@@ -83,6 +85,8 @@ def engine_stats(
             spec_acceptance_rate_per_position=tuple(spec_stats.acceptance_rate_per_position()),
             spec_verify_rounds=spec_stats.verify_rounds,
             spec_emitted_tokens=spec_stats.emitted_tokens,
+            spec_plain_decode_tokens=spec_stats.plain_decode_tokens,
+            spec_buckets=spec_policy.describe() if spec_policy is not None else None,
         )
     cache_fields = {}
     if cache is not None:

@@ -151,6 +151,9 @@ class GraphRunner:
         # the warm-up did not run) pads into a larger ready bucket or runs eagerly rather
         # than stalling the serving thread on a compile
         self.compiles_on_demand = True
+        # steps that met their own bucket not yet ready (compiling, or about to): their time
+        # says nothing about the captured step's (a measured speculation policy skips them)
+        self.unsettled_runs = 0
         if not self.cuda:
             configure_compiler(config)
         elif config.torch_compile and config.background:
@@ -274,6 +277,10 @@ class GraphRunner:
         """The compiled step for `key` (compiling it if it is new), or the smallest larger
         ready bucket while it compiles, or None."""
         step = self._step(key, hidden, recipe)
+        if step.state is StepState.COMPILING or (
+            step.state is StepState.PENDING and self.compiles_on_demand
+        ):
+            self.unsettled_runs += 1
         if step.state is StepState.PENDING and self.compiles_on_demand:
             self._schedule(step)
         if step.state is not StepState.READY:

@@ -23,12 +23,13 @@ then the chunks (an eager extend), so decoding never pauses while prompts prefil
 A greedy round whose logits nothing adjusts runs as one captured graph, acceptance and the
 draft's steps included (`CapturedRound`); other rounds run the steps above one by one.
 
-Speculation off in large batches (`SpeculativeConfig.disable_by_batch_size`, vLLM's
-`speculative_disable_by_batch_size`): a verify round scores `S + 1` rows per request, which
-pays while a step is bound by its fixed costs and not once it is bound by compute. A decode
-step of at least that many requests runs as plain decoding (the target's captured decode
-step, capturing each row's hidden state) and keeps, per request, the rows the draft has not
-run over (`UndraftedRows`). When the batch shrinks, the draft first extends over all kept
+Speculation off in large batches (`speculation_policy`: vLLM's
+`speculative_disable_by_batch_size`, or by default a choice measured per batch bucket): a
+verify round scores `S + 1` rows per request, which pays while a step is bound by its fixed
+costs and not once it is bound by compute. A decode step the policy runs plainly runs as
+plain decoding (the target's captured decode step, capturing each row's hidden state) and
+keeps, per request, the rows the draft has not run over (`UndraftedRows`). When the
+requests speculate again, the draft first extends over all kept
 rows of each such request, as over a prefill chunk, and proposes from the newest, as it
 would after a verify round; then every request of the step verifies in one round. Prompt
 chunks prefilled while the next decode step is expected to run plainly keep their rows the
@@ -40,6 +41,7 @@ from that state (`_adopt_owed`), as it catches up over its own skipped rows.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -64,6 +66,7 @@ from runtime.execution.worker import (
 from runtime.speculative.acceptance import VerifyResult, verify
 from runtime.speculative.captured_round import CapturedRound
 from runtime.speculative.draft_batch import DraftBatch
+from runtime.speculative.speculation_policy import speculation_policy
 
 
 @dataclass
@@ -74,6 +77,7 @@ class SpecStats:
     verify_rounds: int = 0
     emitted_tokens: int = 0  # accepted drafts + the final token, per round
     accepted_at: list[int] = field(default_factory=list)  # [i]: rounds that accepted draft i+1
+    plain_decode_tokens: int = 0  # tokens of decode steps that ran without speculation
 
     def __post_init__(self):
         self.accepted_at = [0] * self.num_steps
@@ -150,7 +154,9 @@ class NextNWorker:
         self.eos_ids, self.generator = eos_ids, generator
         self.vocab_size = target.model_config.vocab_size
         self.stats = SpecStats(spec.num_steps)
-        self.disable_by_batch_size = spec.disable_by_batch_size
+        self.policy = speculation_policy(
+            spec.disable_by_batch_size, spec.measured, measured_buckets(target)
+        )
         self.undrafted: dict[str, UndraftedRows] = {}  # by request id
         self.captured_round = CapturedRound(target, drafter.runner, spec.num_steps)
 
@@ -160,20 +166,51 @@ class NextNWorker:
 
     def speculates(self, batch_size: int) -> bool:
         """Whether a decode step over `batch_size` requests runs verify rounds."""
-        limit = self.disable_by_batch_size
-        return limit is None or batch_size < limit
+        return self.policy.speculates(batch_size)
 
     def step(
         self, prefill: Sequence[Chunk], decode: Sequence[Req]
     ) -> tuple[list[TokenOutput], list[TokenOutput]]:
         self._adopt_owed([c.req for c in prefill] + list(decode))
-        if not decode:
-            decode_out = []
-        elif self.speculates(len(decode)):
-            decode_out = self._verify(decode, self._catch_up(decode))
-        else:
-            decode_out = self._decode_plain(decode)
+        decode_out = self._decode(decode) if decode else []
         return (self._prefill(prefill, len(decode)) if prefill else []), decode_out
+
+    def _decode(self, reqs: Sequence[Req]) -> list[TokenOutput]:
+        """The step's decode part: a verify round, or a plain decode step, as the policy
+        says; timed for a measured policy (the part ends with the tokens on the host)."""
+        speculated = self.speculates(len(reqs))
+        if not self.policy.measured:
+            if speculated:
+                return self._verify(reqs, self._catch_up(reqs))
+            return self._decode_plain(reqs)
+        unsettled = self._unsettled_runs()
+        rounds, emitted = self.stats.verify_rounds, self.stats.emitted_tokens
+        start = time.perf_counter()
+        caught_up = False
+        if speculated:
+            fresh = self._catch_up(reqs)
+            caught_up = bool(fresh)
+            outputs = self._verify(reqs, fresh)
+        else:
+            outputs = self._decode_plain(reqs)
+        seconds = time.perf_counter() - start
+        if not caught_up:  # a round after a catch-up pays for the switch, not for itself
+            rounds = self.stats.verify_rounds - rounds
+            self.policy.record(
+                len(reqs),
+                speculated,
+                seconds,
+                settled=self._unsettled_runs() == unsettled,
+                tokens_per_request=(self.stats.emitted_tokens - emitted) / rounds
+                if rounds
+                else None,
+            )
+        return outputs
+
+    def _unsettled_runs(self) -> int:
+        """Steps so far that met a bucket still compiling (`GraphRunner.unsettled_runs`)."""
+        runners = (self.target, self.drafter.runner)
+        return sum(r.graph_runner.unsettled_runs for r in runners if r.graph_runner is not None)
 
     def release(self, reqs: Sequence[Req], keep_state: bool = False) -> list[list[int] | None]:
         """`reqs` leave the running batch (finished, retracted or aborted) and their rows are
@@ -221,6 +258,7 @@ class NextNWorker:
         the draft to run over once the requests speculate again."""
         chunks = [Chunk(r, r.seq_len - 1, r.seq_len) for r in reqs]
         outputs, hidden = self._target_over(chunks, ForwardMode.DECODE)
+        self.stats.plain_decode_tokens += len(reqs)
         reach = self.drafter.runner.model.kv_reach
         hidden = hidden[: len(reqs)].clone().unbind(0)
         for req, output, row in zip(reqs, outputs, hidden):
@@ -296,15 +334,15 @@ class NextNWorker:
     def _defers(self, chunks: Sequence[Chunk], num_decoding: int) -> list[bool]:
         """Which chunks leave their rows to the draft's catch-up (`UndraftedRows`) instead
         of a draft pass now. While the next decode step is expected to run without
-        speculation (this step's decode batch plus the requests whose prompts complete
-        here reach `disable_by_batch_size`), a pass now may be wasted: a request that
+        speculation (the policy's choice for this step's decode batch plus the requests
+        whose prompts complete here), a pass now may be wasted: a request that
         finishes before speculation resumes needs no draft pass (its newest `kv_reach`
         rows go with the state the prefix cache keeps). A chunk of a request with rows
         kept already defers too (a request resumed from a state the draft owes rows,
         `_adopt_owed`, included), since the draft reads the rows before it. Only with a
         window-only draft: a draft reading every row would keep every prompt row's hidden
         state."""
-        if self.disable_by_batch_size is None and not self.undrafted:
+        if self.policy.plain_from() is None and not self.undrafted:
             return [False] * len(chunks)  # nothing skipped, nothing to skip
         if self.drafter.runner.model.kv_reach is None:
             return [False] * len(chunks)
@@ -404,6 +442,15 @@ class NextNWorker:
 # ---------------------------------------------------------------------------------------
 # Round inputs
 # ---------------------------------------------------------------------------------------
+
+
+def measured_buckets(target: ModelRunner):
+    """The target's bucket of a batch size where its decode steps are captured (the buckets
+    a measured policy times), else None."""
+    graph_runner = target.graph_runner
+    if graph_runner is None or not graph_runner.capturable:
+        return None
+    return graph_runner.bucket_for
 
 
 def pending_drafts(reqs: Sequence[Req], fresh: dict[str, list[int]]) -> torch.Tensor:

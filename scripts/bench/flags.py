@@ -64,9 +64,10 @@ def add_model_args(parser: argparse.ArgumentParser, steps_sweep: bool = True) ->
     )
     g.add_argument(
         "--speculative-disable-by-batch-size",
-        type=int,
         default=None,
-        help="NEXTN: decode steps of at least this many requests run without speculation",
+        help="NEXTN: decode steps of at least this many requests run without speculation; "
+        "'auto' (the engine's default): each captured bucket speculates while its rounds "
+        "measure faster; 'none': always speculate",
     )
     g.add_argument(
         "--speculative-token-map",

@@ -78,8 +78,8 @@ def _nextn_variant(args: argparse.Namespace, algorithm: str, steps, token_map) -
         "speculative_eagle_topk": cfg.eagle_topk,
         "speculative_num_draft_tokens": cfg.num_draft_tokens,
     }
-    if cfg.disable_by_batch_size is not None:
-        spec["speculative_disable_by_batch_size"] = cfg.disable_by_batch_size
+    if args.speculative_disable_by_batch_size is not None:  # else the engine's default
+        spec["speculative_disable_by_batch_size"] = args.speculative_disable_by_batch_size
     label = f"steps={cfg.num_steps}"
     if cfg.token_map is not None:
         spec["speculative_token_map"] = cfg.token_map

@@ -430,14 +430,19 @@ def test_captured_engines_equal_eager_plain(family, request, monkeypatch, tmp_pa
     for ids, n, tokens in zip(prompts, lengths, reference):
         assert tokens == hf_greedy(hf, ids, n)
     monkeypatch.delenv(DISABLE_ENV, raising=False)
-    nextn = {"speculative_algorithm": "NEXTN", "speculative_num_steps": 3}
-    # the last one decodes without speculation in batches of 3 and 4 (the captured decode
-    # step with hidden states), then catches the draft up as the batch shrinks
+    nextn = {
+        "speculative_algorithm": "NEXTN",
+        "speculative_num_steps": 3,
+        "speculative_disable_by_batch_size": "none",
+    }
+    # the one limited to 3 decodes without speculation in batches of 3 and 4 (the captured
+    # decode step with hidden states), then catches the draft up as the batch shrinks
     hot_table = tmp_path / "freq.json"
     hot_table.write_text(json.dumps(list(range(0, 97, 2))))
     variants = (
         {},
-        nextn,  # greedy rounds run fused (`CapturedRound`)
+        # greedy rounds run fused (`CapturedRound`); the default policy times them
+        {**nextn, "speculative_disable_by_batch_size": "auto"},
         {**nextn, "disable_fused_nextn_round": True},  # verify, then the draft's round
         {**nextn, "speculative_disable_by_batch_size": 3},
         {**nextn, "speculative_token_map": str(hot_table)},  # a hot-vocabulary draft head
@@ -454,7 +459,10 @@ def test_captured_engines_equal_eager_plain(family, request, monkeypatch, tmp_pa
         assert (fused in target_steps) == (
             spec.get("disable_fused_nextn_round") is None and bool(spec)
         )
-        if "speculative_disable_by_batch_size" in spec:
+        if spec.get("speculative_disable_by_batch_size") == "auto":
+            measured = engine.stats().spec_buckets[str(BUCKET)]
+            assert measured["rounds"] > 0 and measured["round_ms"] > 0, measured
+        if spec.get("speculative_disable_by_batch_size") == 3:
             target_steps = [name for name, _, _ in engine.runner.graph_runner.compiled_steps()]
             assert "decode bs 4" in target_steps, target_steps
 
@@ -481,6 +489,32 @@ def test_cuda_runner_records_inline_and_warns_about_compiling_on_first_use(caplo
     with caplog.at_level("WARNING", logger="runtime.execution.graph_runner"):
         GraphRunner(runner, CaptureConfig(torch_compile=True, background=False), 4)
     assert not caplog.records
+
+
+def test_steps_that_meet_their_bucket_not_ready_are_counted_unsettled(tiny_v4, monkeypatch):
+    """A measured speculation policy skips the time of steps that met their own bucket
+    compiling (or about to): `unsettled_runs` counts them, and only them. A step kind that
+    start-up left uncompiled (it runs eagerly for good) is settled."""
+    from runtime.execution.graph_runner import LOGITS_PER_REQUEST, StepKey
+
+    _, runner, _ = make_runners(tiny_v4[0], capture=bucket_config(batch_sizes=(1, 2)), draft=False)
+    graph_runner = runner.graph_runner
+    scheduled = []
+
+    def schedule(step):
+        scheduled.append(step)
+        step.state = StepState.COMPILING  # as the background compile thread's queue does
+
+    monkeypatch.setattr(graph_runner, "_schedule", schedule)
+    key = StepKey(ForwardMode.DECODE, 1, 1, CaptureHiddenMode.NULL, LOGITS_PER_REQUEST, False, 0)
+    assert graph_runner._ready_step(key, None) is None and graph_runner.unsettled_runs == 1
+    assert graph_runner._ready_step(key, None) is None and graph_runner.unsettled_runs == 2
+    scheduled[0].state = StepState.READY
+    assert graph_runner._ready_step(key, None) is scheduled[0]
+    assert graph_runner.unsettled_runs == 2
+    graph_runner.compiles_on_demand = False
+    assert graph_runner._ready_step(dataclasses.replace(key, bucket=2), None) is None
+    assert graph_runner.unsettled_runs == 2 and len(scheduled) == 1
 
 
 def test_compile_buckets_repeats_every_seen_step_at_each_bucket(tiny_v4, monkeypatch):

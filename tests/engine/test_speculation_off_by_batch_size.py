@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 
 from runtime import Engine
+from runtime.speculative.speculation_policy import FixedLimit
 from tests.engine.test_nextn import make_prompts
 
 NUM_PROMPTS = 12
@@ -226,7 +227,7 @@ def test_the_prefix_cache_keeps_the_rows_the_draft_skipped(checkpoint):
         snapshots = engine.scheduler.prefix_cache.tree._snapshots_by_age()
         owed = [(s.position, s.owed_draft_rows) for s in snapshots if s.owed_draft_rows]
         first_turn = (len(passes), owed)
-        engine.worker.disable_by_batch_size = None  # the second turn speculates
+        engine.worker.policy = FixedLimit(None)  # the second turn speculates
         proposals = record_proposals(engine)
         out = engine.generate(input_ids=prompt + answer + [5, 6], sampling_params=first)
         assert out["meta_info"]["cached_tokens"] >= len(prompt) + len(answer) - 4
@@ -267,7 +268,7 @@ def test_a_snapshot_taken_mid_prompt_keeps_the_rows_the_draft_skipped(checkpoint
             for s in engine.scheduler.prefix_cache.tree._snapshots_by_age()
             if s.position in (16, 32)
         }
-        engine.worker.disable_by_batch_size = None  # the second request speculates
+        engine.worker.policy = FixedLimit(None)  # the second request speculates
         proposals = record_proposals(engine)
         out = engine.generate(input_ids=other, sampling_params=params[0])
         assert out["meta_info"]["cached_tokens"] == 32
@@ -286,3 +287,57 @@ def test_a_snapshot_taken_mid_prompt_keeps_the_rows_the_draft_skipped(checkpoint
         ]
     assert ids == reference_ids
     assert len(proposals) >= 2 and proposals == reference
+
+
+def test_a_measured_policy_decodes_plainly_where_rounds_cost_more_and_output_stays_plain(
+    checkpoint, greedy_reference
+):
+    """The default policy (`auto`) fed step times of a device where a round of the large
+    bucket costs ten plain steps and a round of the small ones one: the large bucket
+    decodes plainly after its probe (probing rounds again every period), the small ones
+    speculate, the draft catches up at each switch, and the greedy output is plain
+    decoding's. The engine's stats report each bucket's choice."""
+    from itertools import groupby
+
+    from runtime.speculative.speculation_policy import MeasuredSpeculation
+
+    prompts, reference = greedy_reference
+
+    def bucket_for(n):
+        return 4 if n <= 4 else 16
+
+    class ScriptedDevice(MeasuredSpeculation):
+        """Measured costs replaced by the device's above; the choice is the policy's own."""
+
+        def record(self, batch_size, speculated, seconds, **kw):
+            large = bucket_for(batch_size) == 16
+            seconds = (0.100 if large else 0.010) if speculated else 0.010
+            super().record(batch_size, speculated, seconds, **kw)
+
+    engine = nextn_of(checkpoint, "auto")
+    worker = engine.worker
+    worker.policy = ScriptedDevice(bucket_for, warmup=2, probe=2, period=6)
+    modes = []
+    decode = worker._decode
+    worker._decode = lambda reqs: (
+        modes.append((len(reqs), worker.speculates(len(reqs)))) or decode(reqs)
+    )
+    outs = engine.generate(input_ids=prompts, sampling_params=staggered_params())
+    assert [o["output_ids"] for o in outs] == reference
+    large = [speculated for n, speculated in modes if n > 4]
+    assert large[:2] == [True, True] and large[2:4] == [False, False]  # warm-up, probe
+    # then plain steps, with a probe every 6: a round that catches the draft up (untimed)
+    # and the probe's 2 rounds
+    rounds_in_a_row = [len(list(run)) for speculated, run in groupby(large[4:]) if speculated]
+    assert rounds_in_a_row and max(rounds_in_a_row) <= 3, large
+    assert large[4:].count(False) >= 6 * len(rounds_in_a_row)
+    small = [speculated for n, speculated in modes if n <= 4]
+    # rounds pay there: plain steps only in its probes (2 after every 6 steps)
+    assert small.count(True) >= 3 * small.count(False) and small[-1], small
+    stats = engine.stats()
+    assert stats.spec_buckets["16"]["speculates"] is False
+    assert stats.spec_buckets["16"]["plain_ms"] == 10.0
+    assert stats.spec_buckets["4"]["speculates"] is True
+    assert stats.spec_plain_decode_tokens == sum(n for n, speculated in modes if not speculated)
+    assert stats.spec_verify_rounds > 0
+    assert not worker.undrafted

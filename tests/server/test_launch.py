@@ -40,7 +40,7 @@ def test_defaults_and_speculative_resolution(tiny_v4):
         (["--speculative-num-steps", "2"], "need --speculative-algorithm"),
         (
             ["--speculative-algorithm", "NEXTN", "--speculative-disable-by-batch-size", "0"],
-            "--speculative-disable-by-batch-size must be >= 1",
+            "--speculative-disable-by-batch-size must be a batch size >= 1",
         ),
         (
             ["--speculative-algorithm", "NEXTN", "--speculative-token-map", "/no/such/freq.pt"],

@@ -81,7 +81,7 @@ def test_server_args_hand_the_engine_exactly_its_settings():
         (
             {"speculative_algorithm": "NEXTN", "speculative_disable_by_batch_size": 0},
             ValueError,
-            "--speculative-disable-by-batch-size must be >= 1",
+            "--speculative-disable-by-batch-size must be a batch size >= 1",
         ),
         ({"speculative_token_map": "freq.pt"}, ValueError, "need --speculative-algorithm"),
         (

@@ -1,0 +1,202 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Whether a decode step speculates: a fixed batch-size limit, or one measured per bucket.
+
+A verify round scores `S + 1` rows per request and runs the draft's `S` steps; it pays while
+the round costs less than the plain decode steps its tokens would otherwise take. Where a
+step is bound by fixed costs (weights read once per step, dispatch) it pays well; once the
+batch makes it compute-bound it does not. Where that crossover lies depends on the device,
+the model, the dtype and the drafts' acceptance, so the default (`auto`) measures it:
+
+* `FixedLimit` is vLLM's `speculative_disable_by_batch_size`: decode steps of at least
+  `limit` requests run without speculation (None: every step speculates).
+* `MeasuredSpeculation` times the decode part of each step, per captured batch bucket and
+  mode (verify round or plain decode step), as a moving average, with the rounds' accept
+  length (tokens per request per round). A bucket speculates while
+  `accept_length x plain_seconds >= round_seconds`: a round's tokens would take longer as
+  plain steps. It starts by speculating, runs a few plain steps once it has timed a few
+  rounds, and every `period` steps after that runs a few steps of the mode it is not using,
+  so the choice follows the acceptance of the requests of the moment and the machine's
+  speed. Only settled steps count: a step that ran (or waited for) a bucket still compiling
+  says nothing about its captured cost, and a round that first caught the draft up over
+  skipped rows pays for the switch, not for the round.
+
+Either way the output is unchanged: a request's tokens are those of plain decoding whichever
+mode each of its steps ran in (`NextNWorker` catches the draft up when speculation resumes).
+The decisions are rank 0's alone (its scheduler drives the replica), so the ranks never
+disagree.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+AUTO = "auto"
+
+
+class FixedLimit:
+    """Speculate in decode steps of fewer than `limit` requests (None: always)."""
+
+    measured = False
+
+    def __init__(self, limit: int | None):
+        self.limit = limit
+
+    def speculates(self, batch_size: int) -> bool:
+        return self.limit is None or batch_size < self.limit
+
+    def record(self, batch_size: int, speculated: bool, seconds: float, **_) -> None:
+        """A fixed limit learns nothing from timings."""
+
+    def reset(self) -> None:
+        """Nothing measured to forget."""
+
+    def plain_from(self) -> int | None:
+        """The smallest batch that decodes without speculation (None: none does)."""
+        return self.limit
+
+    def describe(self) -> dict:
+        return {}
+
+
+@dataclass
+class MovingCost:
+    """Seconds per decode step of one bucket in one mode: an exponential moving average."""
+
+    seconds: float | None = None
+    samples: int = 0
+
+    def add(self, seconds: float, smoothing: float) -> None:
+        if self.seconds is None:
+            self.seconds = seconds
+        else:
+            self.seconds += smoothing * (seconds - self.seconds)
+        self.samples += 1
+
+
+@dataclass
+class BucketCosts:
+    """What one bucket measured, and the probe of the mode it is not using, if one runs."""
+
+    round: MovingCost = field(default_factory=MovingCost)
+    plain: MovingCost = field(default_factory=MovingCost)
+    since_probe: int = 0  # settled steps since the last probe ended (or since the first one)
+    probe_left: int = 0  # steps of `probe_speculates` still to run
+    probe_speculates: bool = False
+    probed: bool = False  # a probe has started here (the first one comes sooner)
+
+
+class MeasuredSpeculation:
+    """Speculate in a bucket while its measured rounds yield tokens faster than plain steps
+    (see the module docstring). `bucket_for(batch_size)` names the bucket of a batch (its
+    captured step's; None: the batch size itself)."""
+
+    measured = True
+
+    def __init__(
+        self,
+        bucket_for: Callable[[int], int | None],
+        *,
+        warmup: int = 8,
+        probe: int = 4,
+        period: int = 128,
+        smoothing: float = 0.2,
+    ):
+        self.bucket_for = bucket_for
+        self.warmup, self.probe, self.period, self.smoothing = warmup, probe, period, smoothing
+        self.buckets: dict[int, BucketCosts] = {}
+        self.accept_length: float | None = None  # tokens per request per round, averaged
+
+    def reset(self) -> None:
+        """Forget every measurement (after a warm-up whose steps timed compiles)."""
+        self.buckets.clear()
+        self.accept_length = None
+
+    def _costs(self, batch_size: int) -> BucketCosts:
+        bucket = self.bucket_for(batch_size) or batch_size
+        return self.buckets.setdefault(bucket, BucketCosts())
+
+    def speculation_pays(self, costs: BucketCosts) -> bool:
+        """Whether a round's tokens come faster than plain steps' (True until both modes
+        and the accept length are measured)."""
+        if costs.round.seconds is None or costs.plain.seconds is None:
+            return True
+        if self.accept_length is None:
+            return True
+        return self.accept_length * costs.plain.seconds >= costs.round.seconds
+
+    def speculates(self, batch_size: int) -> bool:
+        costs = self.buckets.get(self.bucket_for(batch_size) or batch_size)
+        if costs is None:
+            return True  # nothing measured here yet
+        if costs.probe_left:
+            return costs.probe_speculates
+        return self.speculation_pays(costs)
+
+    def record(
+        self,
+        batch_size: int,
+        speculated: bool,
+        seconds: float,
+        *,
+        settled: bool = True,
+        tokens_per_request: float | None = None,
+    ) -> None:
+        """One decode step's time. `settled`: every captured step it ran was its own bucket's
+        and ready (no compile ran or was pending); an unsettled step ends a probe of its mode
+        (the probe comes back a period later). `tokens_per_request`: a round's accept length."""
+        costs = self._costs(batch_size)
+        probing = costs.probe_left > 0 and speculated == costs.probe_speculates
+        if not settled:
+            if probing:
+                costs.probe_left, costs.since_probe = 0, 0
+            return
+        (costs.round if speculated else costs.plain).add(seconds, self.smoothing)
+        if speculated and tokens_per_request is not None:
+            if self.accept_length is None:
+                self.accept_length = tokens_per_request
+            else:
+                self.accept_length += self.smoothing * (tokens_per_request - self.accept_length)
+        if probing:
+            costs.probe_left -= 1
+            if not costs.probe_left:
+                costs.since_probe = 0
+            return
+        costs.since_probe += 1
+        # the first probe comes after `warmup` rounds, the others (and a retry of one a
+        # compile cut short) a period after the last
+        if costs.since_probe >= (self.period if costs.probed else self.warmup):
+            costs.probe_speculates = not self.speculation_pays(costs)
+            costs.probe_left, costs.since_probe, costs.probed = self.probe, 0, True
+
+    def plain_from(self) -> int | None:
+        """Any batch may decode without speculation."""
+        return 1
+
+    def describe(self) -> dict:
+        """Per bucket: whether it speculates now and what it measured (for server info)."""
+        out = {}
+        for bucket, costs in sorted(self.buckets.items()):
+            out[str(bucket)] = {
+                "speculates": self.speculation_pays(costs),
+                "round_ms": _ms(costs.round.seconds),
+                "plain_ms": _ms(costs.plain.seconds),
+                "rounds": costs.round.samples,
+                "plain_steps": costs.plain.samples,
+            }
+        return out
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1e3, 3)
+
+
+def speculation_policy(
+    limit: int | None, measured: bool, bucket_for: Callable[[int], int | None] | None
+) -> FixedLimit | MeasuredSpeculation:
+    """`measured` (`--speculative-disable-by-batch-size auto`) where the steps are captured
+    (`bucket_for` not None); eager steps' costs swing with every compile and allocation, so
+    an engine without captured steps follows `limit` (None: always speculate)."""
+    if measured and bucket_for is not None:
+        return MeasuredSpeculation(bucket_for)
+    return FixedLimit(limit)
