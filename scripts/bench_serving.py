@@ -69,6 +69,7 @@ from scripts.bench.serving_client import (
     send_request,
     served_model_name,
     server_accept_length,
+    server_speculation_choices,
 )
 from scripts.bench.variants import Variant, build_variants, with_and_without_radix_cache
 
@@ -225,7 +226,9 @@ def benchmark(args, base_url: str, variant: Variant | None) -> dict:
     if multiturn:
         metrics.update(multiturn_metrics(outputs))
     # cumulative since the server started (SGLang reads it the same way): includes warm-up
-    metrics["accept_length"] = server_accept_length(http_get_json(base_url, "/get_server_info"))
+    after = http_get_json(base_url, "/get_server_info")
+    metrics["accept_length"] = server_accept_length(after)
+    metrics.update(server_speculation_choices(after))
     print_serving_result(metrics, args.backend, args.request_rate, args.max_concurrency)
     record = {
         "backend": args.backend,

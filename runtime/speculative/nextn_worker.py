@@ -138,6 +138,17 @@ class UndraftedRows:
         return cls(req, owed.start, list(owed.hidden.unbind(0)), list(owed.following))
 
 
+@dataclass(frozen=True)
+class DecodeMark:
+    """The end of a pure decode step, for a measured policy: when, its bucket and mode, and
+    the count of unsettled captured-step runs then."""
+
+    end: float
+    bucket: int
+    speculated: bool
+    unsettled: int
+
+
 class NextNWorker:
     supports_mixed = True
     needs_drafts = True  # a request decodes once a prefill step has drafted for it
@@ -158,6 +169,7 @@ class NextNWorker:
             spec.disable_by_batch_size, spec.measured, measured_buckets(target)
         )
         self.undrafted: dict[str, UndraftedRows] = {}  # by request id
+        self._last_decode: DecodeMark | None = None  # the previous step, if pure decode
         self.captured_round = CapturedRound(target, drafter.runner, spec.num_steps)
 
     def reserve_ahead(self) -> int:
@@ -172,40 +184,49 @@ class NextNWorker:
         self, prefill: Sequence[Chunk], decode: Sequence[Req]
     ) -> tuple[list[TokenOutput], list[TokenOutput]]:
         self._adopt_owed([c.req for c in prefill] + list(decode))
-        decode_out = self._decode(decode) if decode else []
-        return (self._prefill(prefill, len(decode)) if prefill else []), decode_out
-
-    def _decode(self, reqs: Sequence[Req]) -> list[TokenOutput]:
-        """The step's decode part: a verify round, or a plain decode step, as the policy
-        says; timed for a measured policy (the part ends with the tokens on the host)."""
-        speculated = self.speculates(len(reqs))
-        if not self.policy.measured:
+        decode_out, speculated, caught_up = [], False, False
+        counters = (self.stats.verify_rounds, self.stats.emitted_tokens)
+        if decode:
+            speculated = self.speculates(len(decode))
             if speculated:
-                return self._verify(reqs, self._catch_up(reqs))
-            return self._decode_plain(reqs)
-        unsettled = self._unsettled_runs()
-        rounds, emitted = self.stats.verify_rounds, self.stats.emitted_tokens
-        start = time.perf_counter()
-        caught_up = False
-        if speculated:
-            fresh = self._catch_up(reqs)
-            caught_up = bool(fresh)
-            outputs = self._verify(reqs, fresh)
-        else:
-            outputs = self._decode_plain(reqs)
-        seconds = time.perf_counter() - start
-        if not caught_up:  # a round after a catch-up pays for the switch, not for itself
-            rounds = self.stats.verify_rounds - rounds
-            self.policy.record(
-                len(reqs),
-                speculated,
-                seconds,
-                settled=self._unsettled_runs() == unsettled,
-                tokens_per_request=(self.stats.emitted_tokens - emitted) / rounds
-                if rounds
-                else None,
-            )
-        return outputs
+                fresh = self._catch_up(decode)
+                caught_up = bool(fresh)
+                decode_out = self._verify(decode, fresh)
+            else:
+                decode_out = self._decode_plain(decode)
+        prefill_out = self._prefill(prefill, len(decode)) if prefill else []
+        if self.policy.measured:
+            pure_decode = len(decode) if decode and not prefill else 0
+            self._time_step(pure_decode, speculated, caught_up, counters)
+        return prefill_out, decode_out
+
+    def _time_step(
+        self, batch_size: int, speculated: bool, caught_up: bool, counters: tuple[int, int]
+    ) -> None:
+        """A measured policy learns from consecutive pure decode steps (`batch_size` > 0: no
+        prompt chunk) in the same mode and bucket: the time from the end of the first to the
+        end of the second is one step with everything the engine does per step (scheduling,
+        outputs, a server's streaming), which a round pays once for several tokens. A round
+        that first caught the draft up pays for the switch, not for itself; steps that met
+        a bucket still compiling are unsettled."""
+        now, unsettled = time.perf_counter(), self._unsettled_runs()
+        last, self._last_decode = self._last_decode, None
+        if not batch_size:
+            return
+        bucket = self.policy.bucket_of(batch_size)
+        self._last_decode = DecodeMark(now, bucket, speculated, unsettled)
+        if last is None or (last.bucket, last.speculated) != (bucket, speculated) or caught_up:
+            return
+        rounds = self.stats.verify_rounds - counters[0]
+        self.policy.record(
+            batch_size,
+            speculated,
+            now - last.end,
+            settled=unsettled == last.unsettled,
+            tokens_per_request=(self.stats.emitted_tokens - counters[1]) / rounds
+            if rounds
+            else None,
+        )
 
     def _unsettled_runs(self) -> int:
         """Steps so far that met a bucket still compiling (`GraphRunner.unsettled_runs`)."""

@@ -9,9 +9,10 @@ the model, the dtype and the drafts' acceptance, so the default (`auto`) measure
 
 * `FixedLimit` is vLLM's `speculative_disable_by_batch_size`: decode steps of at least
   `limit` requests run without speculation (None: every step speculates).
-* `MeasuredSpeculation` times the decode part of each step, per captured batch bucket and
-  mode (verify round or plain decode step), as a moving average, with the rounds' accept
-  length (tokens per request per round). A bucket speculates while
+* `MeasuredSpeculation` times decode steps (everything the engine does per step, a
+  server's streaming included), per captured batch bucket and mode (verify round or plain
+  decode step), as a moving average, with the rounds' accept length (tokens per request
+  per round). A bucket speculates while
   `accept_length x plain_seconds >= round_seconds`: a round's tokens would take longer as
   plain steps. It starts by speculating, runs a few plain steps once it has timed a few
   rounds, and every `period` steps after that runs a few steps of the mode it is not using,
@@ -112,9 +113,11 @@ class MeasuredSpeculation:
         self.buckets.clear()
         self.accept_length = None
 
+    def bucket_of(self, batch_size: int) -> int:
+        return self.bucket_for(batch_size) or batch_size
+
     def _costs(self, batch_size: int) -> BucketCosts:
-        bucket = self.bucket_for(batch_size) or batch_size
-        return self.buckets.setdefault(bucket, BucketCosts())
+        return self.buckets.setdefault(self.bucket_of(batch_size), BucketCosts())
 
     def speculation_pays(self, costs: BucketCosts) -> bool:
         """Whether a round's tokens come faster than plain steps' (True until both modes
@@ -126,7 +129,7 @@ class MeasuredSpeculation:
         return self.accept_length * costs.plain.seconds >= costs.round.seconds
 
     def speculates(self, batch_size: int) -> bool:
-        costs = self.buckets.get(self.bucket_for(batch_size) or batch_size)
+        costs = self.buckets.get(self.bucket_of(batch_size))
         if costs is None:
             return True  # nothing measured here yet
         if costs.probe_left:

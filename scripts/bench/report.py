@@ -448,6 +448,10 @@ def print_serving_result(
     print(block_row("Concurrency:", m["concurrency"]))
     if m["accept_length"]:
         print(block_row("Accept length:", m["accept_length"]))
+    if "plain_decode_share" in m:
+        print(block_row("Tokens decoded plainly:", m["plain_decode_share"]))
+    if m.get("spec_buckets"):
+        print(f"Speculation by batch bucket: {m['spec_buckets']}")
     if "cache_hit_rate" in m:
         print(block_row("Prefix cache hit rate:", m["cache_hit_rate"]))
         print(block_row("Mean TTFT turn 1 (ms):", m["mean_ttft_turn1_ms"]))

@@ -71,6 +71,27 @@ def server_accept_length(info: dict) -> float | None:
     return float(value) if value else None
 
 
+def server_speculation_choices(info: dict) -> dict:
+    """What a NEXTN server's speculation policy did (cumulative since start): the share of
+    decoded tokens from steps that did not speculate, and per measured batch bucket
+    whether it speculates, with its round and plain step times. Empty for plain servers."""
+    states = info.get("internal_states") or [{}]
+    plain = states[0].get("spec_plain_decode_tokens")
+    if plain is None:
+        return {}
+    emitted = states[0].get("spec_emitted_tokens") or 0
+    out = {"plain_decode_share": round(plain / (plain + emitted), 3) if plain + emitted else 0.0}
+    buckets = states[0].get("spec_buckets") or {}
+    if buckets:
+        out["spec_buckets"] = "; ".join(
+            f"{bucket}: {'on' if b['speculates'] else 'off'} "
+            f"(round {b['round_ms']} ms x {b['rounds']}, plain {b['plain_ms']} ms x "
+            f"{b['plain_steps']})"
+            for bucket, b in buckets.items()
+        )
+    return out
+
+
 def served_model_name(base_url: str, requested: str | None) -> str | None:
     if requested:
         return requested
