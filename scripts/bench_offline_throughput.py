@@ -42,6 +42,7 @@ from scripts.bench.variants import (
     build_variants,
     greedy_params,
     make_engine,
+    plain_share_between,
     resolve_model_path,
     set_threads,
     spec_counters,
@@ -126,15 +127,19 @@ def measure(engine, variant: Variant, args, dataset) -> dict:
             f"{failed['meta_info']['finish_reason']}",
             file=sys.stderr,
         )
-    return throughput_summary(
+    after = spec_counters(engine)
+    summary = throughput_summary(
         "engine",
         variant.label,
         len(ok),
         duration,
         sum(r["meta_info"]["prompt_tokens"] for r in ok),
         sum(r["meta_info"]["completion_tokens"] for r in ok),
-        accept_length_between(before, spec_counters(engine)),
+        accept_length_between(before, after),
     )
+    if variant.spec:
+        summary["plain_decode_share"] = plain_share_between(before, after)
+    return summary
 
 
 def run_variants(args, variants: list[Variant]) -> tuple[list[tuple[Variant, dict]], list]:

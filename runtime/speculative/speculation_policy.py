@@ -100,11 +100,13 @@ class MeasuredSpeculation:
         *,
         warmup: int = 8,
         probe: int = 4,
-        period: int = 128,
+        period: int = 64,
         smoothing: float = 0.2,
+        margin: float = 0.15,
     ):
         self.bucket_for = bucket_for
         self.warmup, self.probe, self.period, self.smoothing = warmup, probe, period, smoothing
+        self.margin = margin
         self.buckets: dict[int, BucketCosts] = {}
         self.accept_length: float | None = None  # tokens per request per round, averaged
 
@@ -126,7 +128,7 @@ class MeasuredSpeculation:
             return True
         if self.accept_length is None:
             return True
-        return self.accept_length * costs.plain.seconds >= costs.round.seconds
+        return self.accept_length * costs.plain.seconds >= (1 + self.margin) * costs.round.seconds
 
     def speculates(self, batch_size: int) -> bool:
         costs = self.buckets.get(self.bucket_of(batch_size))

@@ -331,6 +331,8 @@ def print_offline_result(r: dict) -> None:
     print(block_row("Total token throughput (tok/s):", r["total_throughput"]))
     if r["accept_length"] is not None:
         print(block_row("Accept length:", r["accept_length"]))
+    if r.get("plain_decode_share") is not None:
+        print(block_row("Tokens decoded plainly:", r["plain_decode_share"]))
     print("=" * BLOCK_WIDTH)
 
 

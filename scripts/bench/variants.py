@@ -143,12 +143,20 @@ def make_engine(args: argparse.Namespace, variant: Variant, **overrides):
     return Engine(**kwargs)
 
 
-def spec_counters(engine) -> tuple[int, int]:
-    """(emitted tokens, verify rounds) so far; deltas give a run's own accept length."""
+def spec_counters(engine) -> tuple[int, int, int]:
+    """(emitted tokens, verify rounds, tokens decoded without speculation) so far; deltas
+    give a run's own accept length and plainly decoded share."""
     if not getattr(engine, "spec_config", None):
-        return 0, 0
+        return 0, 0, 0
     stats = engine.worker.stats
-    return stats.emitted_tokens, stats.verify_rounds
+    return stats.emitted_tokens, stats.verify_rounds, stats.plain_decode_tokens
+
+
+def plain_share_between(before: tuple, after: tuple) -> float | None:
+    """The share of decoded tokens between two `spec_counters` readings that came from steps
+    without speculation (None without decoded tokens)."""
+    emitted, plain = after[0] - before[0], after[2] - before[2]
+    return round(plain / (emitted + plain), 3) if emitted + plain else None
 
 
 def accept_length_between(before: tuple[int, int], after: tuple[int, int]) -> float | None:

@@ -285,13 +285,17 @@ def check_offline_block(rows: dict[str, str], record: dict) -> None:
     assert close(float(rows["Output token throughput (tok/s):"]), record["output_throughput"])
 
 
-def test_offline_nextn(ckpt, tmp_path, capsys):
+@pytest.mark.parametrize(("limit", "plain_share"), [(None, 0.0), ("1", 1.0)])
+def test_offline_nextn(ckpt, tmp_path, capsys, limit, plain_share):
+    """NEXTN offline; with speculation off from batch size 1 every token is decoded
+    plainly, and the result says so."""
     jsonl = tmp_path / "offline.jsonl"
     script("bench_offline_throughput").main(
         [
             "--model-path",
             str(ckpt),
             *COMMON,
+            *(["--speculative-disable-by-batch-size", limit] if limit else []),
             "--speculative-algorithm",
             "NEXTN",
             "--num-prompts",
@@ -312,7 +316,10 @@ def test_offline_nextn(ckpt, tmp_path, capsys):
     assert rows["Backend:"] == "engine" and rows["Successful requests:"] == "5"
     assert record["total_output_tokens"] == 5 * 6 and record["total_input_tokens"] == 5 * 10
     check_offline_block(rows, record)
-    assert 1.0 <= float(rows["Accept length:"]) <= 4.0 and record["accept_length"] >= 1.0
+    assert record["plain_decode_share"] == plain_share
+    assert float(rows["Tokens decoded plainly:"]) == plain_share
+    if plain_share < 1:
+        assert 1.0 <= float(rows["Accept length:"]) <= 4.0 and record["accept_length"] >= 1.0
 
 
 def test_offline_compare_with_hf_and_plot(ckpt, tmp_path, capsys):

@@ -293,7 +293,7 @@ def test_a_measured_policy_decodes_plainly_where_rounds_cost_more_and_output_sta
     checkpoint, greedy_reference
 ):
     """The default policy (`auto`) fed step times of a device where a round of the large
-    bucket costs ten plain steps and a round of the small ones one: the large bucket
+    bucket costs ten plain steps and a round of the small ones half of one: the large bucket
     decodes plainly after its probe (probing rounds again every period), the small ones
     speculate, the draft catches up at each switch, and the greedy output is plain
     decoding's. The engine's stats report each bucket's choice."""
@@ -311,7 +311,7 @@ def test_a_measured_policy_decodes_plainly_where_rounds_cost_more_and_output_sta
 
         def record(self, batch_size, speculated, seconds, **kw):
             large = bucket_for(batch_size) == 16
-            seconds = (0.100 if large else 0.010) if speculated else 0.010
+            seconds = (0.100 if large else 0.005) if speculated else 0.010
             super().record(batch_size, speculated, seconds, **kw)
 
     engine = nextn_of(checkpoint, "auto")

@@ -139,3 +139,15 @@ def test_a_reset_forgets_the_warm_up():
     assert not policy.speculates(1)
     policy.reset()
     assert policy.speculates(1) and policy.describe() == {} and policy.accept_length is None
+
+
+def test_rounds_must_beat_plain_steps_by_the_margin():
+    """A round's 3 tokens as plain steps of 10 ms take 30 ms: a round of 28 ms is faster, but
+    by less than the 15% margin for what speculating costs outside its rounds, so the
+    bucket decodes plainly; at 25 ms (30 >= 1.15 x 25) it speculates."""
+    for round_s, speculates in ((0.028, False), (0.025, True)):
+        policy = MeasuredSpeculation(bucket_for, warmup=2, probe=2, period=100, smoothing=1.0)
+        modes = drive(policy, 16, 8, round_s=round_s, plain_s=0.010, accept=3.0)
+        assert modes[:4] == [True, True, False, False]
+        assert modes[4:] == [speculates] * 4
+        assert policy.describe()["16"]["speculates"] is speculates
