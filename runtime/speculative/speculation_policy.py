@@ -11,15 +11,19 @@ the model, the dtype and the drafts' acceptance, so the default (`auto`) measure
   `limit` requests run without speculation (None: every step speculates).
 * `MeasuredSpeculation` times decode steps (everything the engine does per step, a
   server's streaming included), per captured batch bucket and mode (verify round or plain
-  decode step), as a moving average, with the rounds' accept length (tokens per request
-  per round). A bucket speculates while
-  `accept_length x plain_seconds >= round_seconds`: a round's tokens would take longer as
-  plain steps. It starts by speculating, runs a few plain steps once it has timed a few
-  rounds, and every `period` steps after that runs a few steps of the mode it is not using,
-  so the choice follows the acceptance of the requests of the moment and the machine's
-  speed. Only settled steps count: a step that ran (or waited for) a bucket still compiling
-  says nothing about its captured cost, and a round that first caught the draft up over
-  skipped rows pays for the switch, not for the round.
+  decode step), as the median of the newest few, with the rounds' accept length (tokens
+  per request per round, a moving average). A bucket speculates while
+  `accept_length x plain_seconds >= (1 + margin) x round_seconds`: a round's tokens would
+  take longer as plain steps, by a margin (15%) for what speculating costs outside its
+  rounds (the draft's pass over each prompt's newest window, which waits while steps run
+  plainly; its catch-ups at each switch). It starts by speculating, runs a few plain
+  steps once it has timed a few rounds, and every `period` steps after that runs a few
+  steps of the mode it is not using, so the choice follows the acceptance of the
+  requests of the moment and the machine's speed; a probe that changes nothing doubles
+  the period (up to `max_period`), since probing rounds in a bucket that decodes plainly
+  first catches the draft up. Only settled steps count: a step that ran (or waited for) a
+  bucket still compiling says nothing about its captured cost, and a round that first
+  caught the draft up over skipped rows pays for the switch, not for the round.
 
 Either way the output is unchanged: a request's tokens are those of plain decoding whichever
 mode each of its steps ran in (`NextNWorker` catches the draft up when speculation resumes).
@@ -29,6 +33,8 @@ disagree.
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -61,30 +67,37 @@ class FixedLimit:
 
 
 @dataclass
-class MovingCost:
-    """Seconds per decode step of one bucket in one mode: an exponential moving average."""
+class RecentCost:
+    """Seconds per decode step of one bucket in one mode: the median of the newest `window`
+    timings (a median, since a step the server's other threads or the machine slowed now
+    and then must not move the choice)."""
 
-    seconds: float | None = None
+    window: int = 8
+    recent: deque = field(default_factory=deque)
     samples: int = 0
 
-    def add(self, seconds: float, smoothing: float) -> None:
-        if self.seconds is None:
-            self.seconds = seconds
-        else:
-            self.seconds += smoothing * (seconds - self.seconds)
+    def add(self, seconds: float) -> None:
+        self.recent.append(seconds)
+        if len(self.recent) > self.window:
+            self.recent.popleft()
         self.samples += 1
+
+    @property
+    def seconds(self) -> float | None:
+        return statistics.median(self.recent) if self.recent else None
 
 
 @dataclass
 class BucketCosts:
     """What one bucket measured, and the probe of the mode it is not using, if one runs."""
 
-    round: MovingCost = field(default_factory=MovingCost)
-    plain: MovingCost = field(default_factory=MovingCost)
+    round: RecentCost = field(default_factory=RecentCost)
+    plain: RecentCost = field(default_factory=RecentCost)
     since_probe: int = 0  # settled steps since the last probe ended (or since the first one)
     probe_left: int = 0  # steps of `probe_speculates` still to run
     probe_speculates: bool = False
     probed: bool = False  # a probe has started here (the first one comes sooner)
+    period: int = 0  # steps between probes now (0: not probed yet)
 
 
 class MeasuredSpeculation:
@@ -101,12 +114,13 @@ class MeasuredSpeculation:
         warmup: int = 8,
         probe: int = 4,
         period: int = 64,
+        max_period: int = 1024,
         smoothing: float = 0.2,
         margin: float = 0.15,
     ):
         self.bucket_for = bucket_for
         self.warmup, self.probe, self.period, self.smoothing = warmup, probe, period, smoothing
-        self.margin = margin
+        self.max_period, self.margin = max_period, margin
         self.buckets: dict[int, BucketCosts] = {}
         self.accept_length: float | None = None  # tokens per request per round, averaged
 
@@ -156,7 +170,7 @@ class MeasuredSpeculation:
             if probing:
                 costs.probe_left, costs.since_probe = 0, 0
             return
-        (costs.round if speculated else costs.plain).add(seconds, self.smoothing)
+        (costs.round if speculated else costs.plain).add(seconds)
         if speculated and tokens_per_request is not None:
             if self.accept_length is None:
                 self.accept_length = tokens_per_request
@@ -165,14 +179,20 @@ class MeasuredSpeculation:
         if probing:
             costs.probe_left -= 1
             if not costs.probe_left:
+                # a probe that changed nothing comes back twice as late (a probe of rounds in
+                # a bucket decoding plainly first catches the draft up over every request's
+                # skipped rows), one that changed the choice after the base period
+                kept = self.speculation_pays(costs) != costs.probe_speculates
+                costs.period = min(2 * costs.period, self.max_period) if kept else self.period
                 costs.since_probe = 0
             return
         costs.since_probe += 1
         # the first probe comes after `warmup` rounds, the others (and a retry of one a
         # compile cut short) a period after the last
-        if costs.since_probe >= (self.period if costs.probed else self.warmup):
+        if costs.since_probe >= (costs.period if costs.probed else self.warmup):
             costs.probe_speculates = not self.speculation_pays(costs)
             costs.probe_left, costs.since_probe, costs.probed = self.probe, 0, True
+            costs.period = costs.period or self.period
 
     def plain_from(self) -> int | None:
         """Any batch may decode without speculation."""

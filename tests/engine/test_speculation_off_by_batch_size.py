@@ -341,7 +341,6 @@ def test_a_measured_policy_decodes_plainly_where_rounds_cost_more_and_output_sta
     small = [speculated for n, speculated in modes if n <= 4]
     plain_in_a_row = [len(list(run)) for speculated, run in groupby(small) if not speculated]
     assert max(plain_in_a_row) <= 3 and small.count(True) >= 2 * small.count(False), small
-    assert small[-1]
     stats = engine.stats()
     assert stats.spec_buckets["16"]["speculates"] is False
     assert stats.spec_buckets["16"]["plain_ms"] == 10.0

@@ -104,19 +104,20 @@ def test_a_bucket_where_rounds_cost_more_than_their_tokens_decodes_plainly():
 
 
 def test_the_losing_mode_is_probed_every_period_and_the_choice_follows_a_change():
-    """Plain wins at first; each period a probe of `probe` rounds; once the rounds turn cheap
-    (better acceptance, say), the next probe switches the bucket back to speculating."""
-    policy = MeasuredSpeculation(bucket_for, warmup=2, probe=3, period=10, smoothing=1.0)
-    modes = drive(policy, 4, 20, round_s=0.030, plain_s=0.010, accept=2.0)
-    # 2 rounds, 3 plain (probe), then plain wins: 10 plain, then a 3-round probe
-    assert modes[:5] == [True, True, False, False, False]
-    assert modes[5:15] == [False] * 10
-    assert modes[15:18] == [True] * 3
-    assert modes[18:] == [False] * 2
-    later = drive(policy, 4, 12, round_s=0.015, plain_s=0.010, accept=2.0)
-    # the probe came 10 plain steps after the last one ended: rounds now pay (2 x 10 >= 15)
-    assert later[:8] == [False] * 8
-    assert later[8:] == [True] * 4
+    """Plain wins at first; a probe of rounds after the base period, and as it changes
+    nothing the next comes twice as late. Once the rounds turn cheap (better acceptance,
+    say), that probe's timings outnumber the old ones in the median and the bucket goes
+    back to speculating."""
+    policy = MeasuredSpeculation(bucket_for, warmup=2, probe=5, period=10)
+    modes = drive(policy, 4, 22, round_s=0.030, plain_s=0.010, accept=2.0)
+    # 2 rounds, a 5-step plain probe (2 x 10 ms < 1.15 x 30 ms: plain wins), 10 plain
+    # steps, a 5-round probe
+    assert modes == [True] * 2 + [False] * 15 + [True] * 5
+    later = drive(policy, 4, 26, round_s=0.015, plain_s=0.010, accept=2.0)
+    # the probe kept the choice: the next comes 20 plain steps later; its 5 rounds of 15 ms
+    # make the median round 15 ms, and 2 x 10 >= 1.15 x 15
+    assert later == [False] * 20 + [True] * 6
+    assert policy.describe()["4"]["round_ms"] == 15.0
 
 
 def test_a_step_that_met_a_compiling_bucket_ends_the_probe_and_counts_nothing():
