@@ -38,8 +38,6 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-AUTO = "auto"
-
 
 class FixedLimit:
     """Speculate in decode steps of fewer than `limit` requests (None: always)."""
@@ -136,8 +134,8 @@ class MeasuredSpeculation:
         return self.buckets.setdefault(self.bucket_of(batch_size), BucketCosts())
 
     def speculation_pays(self, costs: BucketCosts) -> bool:
-        """Whether a round's tokens come faster than plain steps' (True until both modes
-        and the accept length are measured)."""
+        """Whether a round's tokens come faster than plain steps', by the margin (True until
+        both modes and the accept length are measured)."""
         if costs.round.seconds is None or costs.plain.seconds is None:
             return True
         if self.accept_length is None:
