@@ -104,7 +104,7 @@ class EngineConfig:
         "decode steps of at least this many requests run without speculation (verify rounds "
         "cost more than they save in large batches; the draft catches up when the batch "
         "shrinks); 'auto': each captured batch bucket speculates while its measured rounds "
-        "yield tokens faster than plain decode steps; 'none': always speculate",
+        "yield tokens faster than plain decode steps (the default); 'none': always speculate",
     )
     speculative_token_map: str | None = setting(
         None,
