@@ -277,12 +277,11 @@ class GraphRunner:
         """The compiled step for `key` (compiling it if it is new), or the smallest larger
         ready bucket while it compiles, or None."""
         step = self._step(key, hidden, recipe)
-        if step.state is StepState.COMPILING or (
-            step.state is StepState.PENDING and self.compiles_on_demand
-        ):
-            self.unsettled_runs += 1
         if step.state is StepState.PENDING and self.compiles_on_demand:
+            self.unsettled_runs += 1
             self._schedule(step)
+        elif step.state is StepState.COMPILING:
+            self.unsettled_runs += 1
         if step.state is not StepState.READY:
             # while its own bucket compiles, a batch pads into a larger bucket that is ready
             # (more padding rows cost far less than an eager step), else it runs eagerly

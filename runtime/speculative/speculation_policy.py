@@ -50,9 +50,6 @@ class FixedLimit:
     def speculates(self, batch_size: int) -> bool:
         return self.limit is None or batch_size < self.limit
 
-    def record(self, batch_size: int, speculated: bool, seconds: float, **_) -> None:
-        """A fixed limit learns nothing from timings."""
-
     def reset(self) -> None:
         """Nothing measured to forget."""
 
@@ -66,18 +63,15 @@ class FixedLimit:
 
 @dataclass
 class RecentCost:
-    """Seconds per decode step of one bucket in one mode: the median of the newest `window`
+    """Seconds per decode step of one bucket in one mode: the median of the newest 8
     timings (a median, since a step the server's other threads or the machine slowed now
     and then must not move the choice)."""
 
-    window: int = 8
-    recent: deque = field(default_factory=deque)
+    recent: deque = field(default_factory=lambda: deque(maxlen=8))
     samples: int = 0
 
     def add(self, seconds: float) -> None:
         self.recent.append(seconds)
-        if len(self.recent) > self.window:
-            self.recent.popleft()
         self.samples += 1
 
     @property
@@ -94,8 +88,7 @@ class BucketCosts:
     since_probe: int = 0  # settled steps since the last probe ended (or since the first one)
     probe_left: int = 0  # steps of `probe_speculates` still to run
     probe_speculates: bool = False
-    probed: bool = False  # a probe has started here (the first one comes sooner)
-    period: int = 0  # steps between probes now (0: not probed yet)
+    period: int = 0  # steps between probes now (0: no probe has started here yet)
 
 
 class MeasuredSpeculation:
@@ -187,9 +180,9 @@ class MeasuredSpeculation:
         costs.since_probe += 1
         # the first probe comes after `warmup` rounds, the others (and a retry of one a
         # compile cut short) a period after the last
-        if costs.since_probe >= (costs.period if costs.probed else self.warmup):
+        if costs.since_probe >= (costs.period or self.warmup):
             costs.probe_speculates = not self.speculation_pays(costs)
-            costs.probe_left, costs.since_probe, costs.probed = self.probe, 0, True
+            costs.probe_left, costs.since_probe = self.probe, 0
             costs.period = costs.period or self.period
 
     def plain_from(self) -> int | None:
