@@ -87,6 +87,12 @@ def percentiles(values: list[float], *, scale: float = 1000.0) -> dict:
     }
 
 
+def plain_share(plain: int, emitted: int) -> float | None:
+    """The share of decoded tokens from NEXTN steps that did not speculate (`plain` of
+    them, `emitted` by verify rounds), rounded for the report; None when none were decoded."""
+    return round(plain / (plain + emitted), 3) if plain + emitted else None
+
+
 def median_run(runs: list[dict], key: str) -> dict:
     """The run of median `key` (`--repeats`; the lower middle one of an even count)."""
     return sorted(runs, key=lambda run: run[key])[(len(runs) - 1) // 2]

@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from scripts.bench.datasets import BenchRequest, Conversation
-from scripts.bench.report import progress
+from scripts.bench.report import plain_share, progress
 
 BACKENDS = {
     "sglang": "/generate",
@@ -80,7 +80,7 @@ def server_speculation_choices(info: dict) -> dict:
     if plain is None:
         return {}
     emitted = states[0].get("spec_emitted_tokens") or 0
-    out = {"plain_decode_share": round(plain / (plain + emitted), 3) if plain + emitted else 0.0}
+    out = {"plain_decode_share": plain_share(plain, emitted) or 0.0}
     buckets = states[0].get("spec_buckets") or {}
     if buckets:
         out["spec_buckets"] = "; ".join(

@@ -8,6 +8,7 @@ import argparse
 from dataclasses import dataclass
 
 from scripts.bench.flags import capture_overrides
+from scripts.bench.report import plain_share
 
 
 @dataclass(frozen=True)
@@ -155,8 +156,7 @@ def spec_counters(engine) -> tuple[int, int, int]:
 def plain_share_between(before: tuple, after: tuple) -> float | None:
     """The share of decoded tokens between two `spec_counters` readings that came from steps
     without speculation (None without decoded tokens)."""
-    emitted, plain = after[0] - before[0], after[2] - before[2]
-    return round(plain / (emitted + plain), 3) if emitted + plain else None
+    return plain_share(after[2] - before[2], after[0] - before[0])
 
 
 def accept_length_between(before: tuple[int, int], after: tuple[int, int]) -> float | None:
