@@ -6,6 +6,8 @@ meet a compile under load (a benchmark at request rate inf, a production start b
 load balancer) compiles them all before it serves, as SGLang captures every CUDA-graph
 batch size at start-up: one short warm-up request meets every kind of step the engine runs
 (decode, or target verify and the draft's steps), then each kind compiles at every bucket.
+With a measured speculation policy each bucket's decode modes are then timed
+(`speculation_calibration`).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import time
 from collections.abc import Callable
 
 from runtime.core.forward_mode import ForwardMode
+from runtime.engine.speculation_calibration import calibrate_speculation
 from runtime.execution.graph_runner import StepKey
 from runtime.speculative.speculation_policy import FixedLimit
 
@@ -37,12 +40,21 @@ def captured_runners(engine) -> list:
 def captured_buckets(engine, max_batch: int | None = None) -> list[int]:
     """The captured batch buckets a run of at most `max_batch` concurrent requests can use
     (every bucket when None)."""
-    buckets: set[int] = set()
-    for runner in captured_runners(engine):
-        graph_runner = runner.graph_runner
-        largest = None if max_batch is None else graph_runner.bucket_for(max_batch)
-        buckets.update(b for b in graph_runner.buckets if largest is None or b <= largest)
+    buckets = {b for r in captured_runners(engine) for b in usable_buckets(r, max_batch)}
     return sorted(buckets)
+
+
+def target_buckets(engine, max_batch: int | None = None) -> list[int]:
+    """The target's captured buckets such a run can use; [] where its steps are not
+    captured."""
+    runner = engine.runner
+    return usable_buckets(runner, max_batch) if runner in captured_runners(engine) else []
+
+
+def usable_buckets(runner, max_batch: int | None) -> list[int]:
+    graph_runner = runner.graph_runner
+    largest = None if max_batch is None else graph_runner.bucket_for(max_batch)
+    return [b for b in graph_runner.buckets if largest is None or b <= largest]
 
 
 def warm_up(engine, num_tokens: int = 8, sampled: bool = True) -> None:
@@ -134,6 +146,7 @@ def compile_at_startup(engine, progress: bool = False) -> None:
     compile_buckets(engine, captured_buckets(engine), progress=progress)  # in this thread
     for runner in runners:
         runner.graph_runner.compiles_on_demand = False
+    calibrate_speculation(engine, target_buckets(engine))
     steps = [s for r in runners for s in r.graph_runner.compiled_steps()]
     ready = [name for name, state, _ in steps if state == "ready"]
     failed = [name for name, state, _ in steps if state == "failed"]

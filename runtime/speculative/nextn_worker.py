@@ -203,13 +203,17 @@ class NextNWorker:
     def _time_step(
         self, batch_size: int, speculated: bool, caught_up: bool, counters: tuple[int, int]
     ) -> None:
-        """A measured policy learns from consecutive pure decode steps (`batch_size` > 0: no
-        prompt chunk) in the same mode and bucket: the time from the end of the first to the
-        end of the second is one step with everything the engine does per step (scheduling,
+        """A measured policy learns the rounds' acceptance from every step that ran rounds,
+        and step times from consecutive pure decode steps (`batch_size` > 0: no prompt
+        chunk) in the same mode and bucket: the time from the end of the first to the end
+        of the second is one step with everything the engine does per step (scheduling,
         outputs, a server's streaming), which a round pays once for several tokens. A round
         that first caught the draft up pays for the switch, not for itself; steps that met
         a bucket still compiling are unsettled."""
         now, unsettled = time.perf_counter(), self._unsettled_runs()
+        rounds = self.stats.verify_rounds - counters[0]
+        if rounds:
+            self.policy.record_accept(rounds, (self.stats.emitted_tokens - counters[1]) / rounds)
         last, self._last_decode = self._last_decode, None
         if not batch_size:
             return
@@ -217,15 +221,8 @@ class NextNWorker:
         self._last_decode = DecodeMark(now, bucket, speculated, unsettled)
         if last is None or (last.bucket, last.speculated) != (bucket, speculated) or caught_up:
             return
-        rounds = self.stats.verify_rounds - counters[0]
         self.policy.record(
-            batch_size,
-            speculated,
-            now - last.end,
-            settled=unsettled == last.unsettled,
-            tokens_per_request=(self.stats.emitted_tokens - counters[1]) / rounds
-            if rounds
-            else None,
+            batch_size, speculated, now - last.end, settled=unsettled == last.unsettled
         )
 
     def _unsettled_runs(self) -> int:

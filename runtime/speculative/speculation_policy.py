@@ -12,7 +12,8 @@ the model, the dtype and the drafts' acceptance, so the default (`auto`) measure
 * `MeasuredSpeculation` times decode steps (everything the engine does per step, a
   server's streaming included), per captured batch bucket and mode (verify round or plain
   decode step), as the median of the newest few, with the rounds' accept length (tokens
-  per request per round, a moving average). A bucket speculates while
+  per request per round, an exponentially weighted mean over request-rounds, from every
+  step that ran rounds). A bucket speculates while
   `accept_length x plain_seconds >= (1 + margin) x round_seconds`: a round's tokens would
   take longer as plain steps, by a margin (15%) for what speculating costs outside its
   rounds (the draft's pass over each prompt's newest window, which waits while steps run
@@ -23,7 +24,13 @@ the model, the dtype and the drafts' acceptance, so the default (`auto`) measure
   the period (up to `max_period`), since probing rounds in a bucket that decodes plainly
   first catches the draft up. Only settled steps count: a step that ran (or waited for) a
   bucket still compiling says nothing about its captured cost, and a round that first
-  caught the draft up over skipped rows pays for the switch, not for the round.
+  caught the draft up over skipped rows pays for the switch, not for the round. A start-up
+  calibration (`StepTimer`, `MeasuredSpeculation.calibrate`) may time both modes at each
+  bucket before the traffic, so a fresh server chooses from the first rounds' acceptance
+  instead of learning each bucket's costs under load. Until the traffic has timed both
+  modes, a mode it has not timed costs its calibrated time plus what the traffic's steps
+  of the other mode take beyond theirs (a server's streaming and scheduling add about the
+  same time to a step in either mode).
 
 Either way the output is unchanged: a request's tokens are those of plain decoding whichever
 mode each of its steps ran in (`NextNWorker` catches the draft up when speculation resumes).
@@ -85,6 +92,7 @@ class BucketCosts:
 
     round: RecentCost = field(default_factory=RecentCost)
     plain: RecentCost = field(default_factory=RecentCost)
+    calibrated: tuple[float, float] | None = None  # (round, plain) seconds before the traffic
     since_probe: int = 0  # settled steps since the last probe ended (or since the first one)
     probe_left: int = 0  # steps of `probe_speculates` still to run
     probe_speculates: bool = False
@@ -113,12 +121,39 @@ class MeasuredSpeculation:
         self.warmup, self.probe, self.period, self.smoothing = warmup, probe, period, smoothing
         self.max_period, self.margin = max_period, margin
         self.buckets: dict[int, BucketCosts] = {}
-        self.accept_length: float | None = None  # tokens per request per round, averaged
+        self.request_rounds = 0  # rounds seen, one per request in each
+        self._accept_sum = self._accept_weight = 0.0
 
     def reset(self) -> None:
         """Forget every measurement (after a warm-up whose steps timed compiles)."""
         self.buckets.clear()
-        self.accept_length = None
+        self.request_rounds = 0
+        self._accept_sum = self._accept_weight = 0.0
+
+    @property
+    def accept_length(self) -> float | None:
+        """Tokens per request per round: the exponentially weighted mean over request-rounds
+        (bias-corrected, as Adam's moments, so the first rounds are not pulled to zero)."""
+        return self._accept_sum / self._accept_weight if self._accept_weight else None
+
+    def record_accept(self, requests: int, tokens_per_request: float) -> None:
+        """A step's rounds: `requests` of them yielding `tokens_per_request` on average. Each
+        request-round weighs as much as a round of one request, so one round of a large
+        batch outweighs a few rounds of one request, whose acceptance swings from round to
+        round."""
+        keep = (1 - self.smoothing) ** requests
+        self._accept_sum = keep * self._accept_sum + (1 - keep) * tokens_per_request
+        self._accept_weight = keep * self._accept_weight + (1 - keep)
+        self.request_rounds += requests
+
+    def calibrate(self, bucket: int, round_seconds: list[float], plain_seconds: list[float]):
+        """Both modes' step times at `bucket`, timed before the traffic (`StepTimer`): until
+        the traffic has timed both, the bucket chooses by their medians (see
+        `speculation_pays`) as soon as the traffic's rounds give an accept length, and it
+        probes the mode it does not use a period later (not after `warmup` rounds)."""
+        costs = self.buckets.setdefault(bucket, BucketCosts())
+        costs.calibrated = statistics.median(round_seconds), statistics.median(plain_seconds)
+        costs.period = costs.period or self.period
 
     def bucket_of(self, batch_size: int) -> int:
         return self.bucket_for(batch_size) or batch_size
@@ -128,12 +163,25 @@ class MeasuredSpeculation:
 
     def speculation_pays(self, costs: BucketCosts) -> bool:
         """Whether a round's tokens come faster than plain steps', by the margin (True until
-        both modes and the accept length are measured)."""
-        if costs.round.seconds is None or costs.plain.seconds is None:
+        both modes and the accept length, over at least `warmup` request-rounds, are
+        measured)."""
+        round_s, plain_s = costs.round.seconds, costs.plain.seconds
+        if costs.calibrated is not None:
+            # the traffic's steps cost more than the calibration's by about as much in either
+            # mode (a server's scheduling and streaming are per step, not per row): a mode
+            # the traffic has not timed is its calibrated time plus the other mode's extra
+            calibrated_round, calibrated_plain = costs.calibrated
+            if round_s is None and plain_s is None:
+                round_s, plain_s = costs.calibrated
+            elif round_s is None:
+                round_s = calibrated_round + plain_s - calibrated_plain
+            elif plain_s is None:
+                plain_s = calibrated_plain + round_s - calibrated_round
+        if round_s is None or plain_s is None:
             return True
-        if self.accept_length is None:
+        if self.request_rounds < self.warmup:
             return True
-        return self.accept_length * costs.plain.seconds >= (1 + self.margin) * costs.round.seconds
+        return self.accept_length * plain_s >= (1 + self.margin) * round_s
 
     def speculates(self, batch_size: int) -> bool:
         costs = self.buckets.get(self.bucket_of(batch_size))
@@ -143,18 +191,10 @@ class MeasuredSpeculation:
             return costs.probe_speculates
         return self.speculation_pays(costs)
 
-    def record(
-        self,
-        batch_size: int,
-        speculated: bool,
-        seconds: float,
-        *,
-        settled: bool = True,
-        tokens_per_request: float | None = None,
-    ) -> None:
+    def record(self, batch_size: int, speculated: bool, seconds: float, *, settled=True) -> None:
         """One decode step's time. `settled`: every captured step it ran was its own bucket's
         and ready (no compile ran or was pending); an unsettled step ends a probe of its mode
-        (the probe comes back a period later). `tokens_per_request`: a round's accept length."""
+        (the probe comes back a period later)."""
         costs = self._costs(batch_size)
         probing = costs.probe_left > 0 and speculated == costs.probe_speculates
         if not settled:
@@ -162,11 +202,6 @@ class MeasuredSpeculation:
                 costs.probe_left, costs.since_probe = 0, 0
             return
         (costs.round if speculated else costs.plain).add(seconds)
-        if speculated and tokens_per_request is not None:
-            if self.accept_length is None:
-                self.accept_length = tokens_per_request
-            else:
-                self.accept_length += self.smoothing * (tokens_per_request - self.accept_length)
         if probing:
             costs.probe_left -= 1
             if not costs.probe_left:
@@ -200,7 +235,44 @@ class MeasuredSpeculation:
                 "rounds": costs.round.samples,
                 "plain_steps": costs.plain.samples,
             }
+            if costs.calibrated is not None:
+                round_s, plain_s = costs.calibrated
+                out[str(bucket)].update(
+                    calibrated_round_ms=_ms(round_s), calibrated_plain_ms=_ms(plain_s)
+                )
         return out
+
+
+class StepTimer:
+    """Every decode step in one mode (`speculate`), each settled step's time kept by
+    bucket: a calibration run before the traffic (`runtime.engine.speculation_calibration`)
+    whose timings become a `MeasuredSpeculation`'s prior. Its rounds' acceptance, on
+    made-up prompts, says nothing about the traffic's and is dropped."""
+
+    measured = True
+
+    def __init__(self, bucket_of: Callable[[int], int], speculate: bool):
+        self.bucket_of, self.speculate = bucket_of, speculate
+        self.seconds: dict[int, list[float]] = {}
+
+    def speculates(self, batch_size: int) -> bool:
+        return self.speculate
+
+    def record(self, batch_size: int, speculated: bool, seconds: float, *, settled=True) -> None:
+        if settled and speculated == self.speculate:
+            self.seconds.setdefault(self.bucket_of(batch_size), []).append(seconds)
+
+    def record_accept(self, requests: int, tokens_per_request: float) -> None:
+        """Made-up prompts' acceptance: not the traffic's."""
+
+    def reset(self) -> None:
+        self.seconds.clear()
+
+    def plain_from(self) -> int | None:
+        return None if self.speculate else 1
+
+    def describe(self) -> dict:
+        return {}
 
 
 def _ms(seconds: float | None) -> float | None:

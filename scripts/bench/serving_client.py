@@ -74,7 +74,8 @@ def server_accept_length(info: dict) -> float | None:
 def server_speculation_choices(info: dict) -> dict:
     """What a NEXTN server's speculation policy did (cumulative since start): the share of
     decoded tokens from steps that did not speculate, and per measured batch bucket
-    whether it speculates, with its round and plain step times. Empty for plain servers."""
+    whether it speculates, with its round and plain step times (and those of a start-up
+    calibration). Empty for plain servers."""
     states = info.get("internal_states") or [{}]
     plain = states[0].get("spec_plain_decode_tokens")
     if plain is None:
@@ -86,10 +87,20 @@ def server_speculation_choices(info: dict) -> dict:
         out["spec_buckets"] = "; ".join(
             f"{bucket}: {'on' if b['speculates'] else 'off'} "
             f"(round {b['round_ms']} ms x {b['rounds']}, plain {b['plain_ms']} ms x "
-            f"{b['plain_steps']})"
+            f"{b['plain_steps']}{calibrated(b)})"
             for bucket, b in buckets.items()
         )
     return out
+
+
+def calibrated(bucket: dict) -> str:
+    """A bucket's times before the traffic (start-up calibration), if it has them."""
+    if bucket.get("calibrated_round_ms") is None:
+        return ""
+    return (
+        f"; calibrated round {bucket['calibrated_round_ms']} ms, "
+        f"plain {bucket['calibrated_plain_ms']} ms"
+    )
 
 
 def served_model_name(base_url: str, requested: str | None) -> str | None:

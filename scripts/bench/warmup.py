@@ -9,8 +9,10 @@ from runtime.engine.capture_warmup import (
     captured_buckets,
     captured_runners,
     compile_buckets,
+    target_buckets,
     warm_up,
 )
+from runtime.engine.speculation_calibration import calibrate_speculation
 
 __all__ = ["captured_buckets", "captured_runners", "compile_captured_buckets", "report_compiles"]
 
@@ -19,13 +21,19 @@ def compile_captured_buckets(engine, max_batch: int) -> None:
     """Compile every step kind the engine has run at each bucket a run of at most `max_batch`
     concurrent requests can use (a NEXTN batch shrinks through smaller buckets as its
     requests finish; chunked prompts may never decode all at once in a warm-up), then print
-    what each captured step took to compile. The engine's own warm-up request runs first, so
-    every kind is seen even where the benchmark's warm-up misses one (plain decode steps of
-    a NEXTN engine that stops speculating in large batches). The benchmarks decode greedily:
-    the steps of sampled NEXTN rounds are left out."""
+    what each captured step took to compile, and with a measured speculation policy what
+    each bucket's round and plain step took (its calibration). The engine's own warm-up
+    request runs first, so every kind is seen even where the benchmark's warm-up misses one
+    (plain decode steps of a NEXTN engine that stops speculating in large batches). The
+    benchmarks decode greedily: the steps of sampled NEXTN rounds are left out."""
     warm_up(engine, sampled=False)
     compile_buckets(engine, captured_buckets(engine, max_batch))
     report_compiles(engine)
+    for bucket, times in calibrate_speculation(engine, target_buckets(engine, max_batch)).items():
+        print(
+            f"speculation at bucket {bucket}: round {times['round_ms']} ms, "
+            f"plain step {times['plain_ms']} ms"
+        )
 
 
 def report_compiles(engine) -> None:

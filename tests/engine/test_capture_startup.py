@@ -72,6 +72,12 @@ def test_startup_compiles_every_kind_at_every_bucket_then_serves(
         recipes = {key.recipe for _, key in compiled}
         assert recipes == {"", "nextn round"}
     assert engine.prefix_cache.stats().cached_tokens == 0  # the warm-up is forgotten
+    if spec:  # the measured policy's prior: both modes timed at each bucket, none in traffic
+        timed = engine.worker.policy.describe()
+        assert set(timed) == {str(b) for b in BUCKETS}, timed
+        for bucket in timed.values():
+            assert bucket["calibrated_round_ms"] > 0 and bucket["calibrated_plain_ms"] > 0
+            assert bucket["rounds"] == bucket["plain_steps"] == 0 and bucket["round_ms"] is None
 
     assert staggered_generate(engine, prompts, lengths) == reference
     assert stubbed_compiles == compiled  # serving compiled nothing more

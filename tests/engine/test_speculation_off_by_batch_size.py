@@ -348,3 +348,67 @@ def test_a_measured_policy_decodes_plainly_where_rounds_cost_more_and_output_sta
     assert stats.spec_plain_decode_tokens == sum(n for n, speculated in modes if not speculated)
     assert stats.spec_verify_rounds > 0
     assert not worker.undrafted
+
+
+def test_a_calibrated_policy_decodes_plainly_from_the_first_large_rounds(
+    checkpoint, greedy_reference
+):
+    """`calibrate_speculation` runs made-up requests as many as each bucket holds, both modes
+    in turn, and hands the policy each bucket's step times; it leaves the speculation
+    counters and the prefix cache as they were. With the scripted device above as the
+    prior, the large bucket decodes plainly from its first round's acceptance on (no
+    warm-up rounds, no probe before a period), the small one speculates, and the greedy
+    output is still plain decoding's."""
+    from itertools import groupby
+
+    from runtime.engine.speculation_calibration import calibrate_speculation
+    from runtime.speculative.speculation_policy import MeasuredSpeculation
+
+    prompts, reference = greedy_reference
+
+    def bucket_for(n):
+        return 4 if n <= 4 else 16
+
+    calibrated = {}
+
+    class ScriptedDevice(MeasuredSpeculation):
+        def calibrate(self, bucket, round_seconds, plain_seconds):
+            calibrated[bucket] = (len(round_seconds), len(plain_seconds))
+            large = bucket == 16
+            n = len(round_seconds)
+            super().calibrate(bucket, [0.100 if large else 0.005] * n, [0.010] * n)
+
+        def record(self, batch_size, speculated, seconds, **kw):
+            large = bucket_for(batch_size) == 16
+            seconds = (0.100 if large else 0.005) if speculated else 0.010
+            super().record(batch_size, speculated, seconds, **kw)
+
+    engine = nextn_of(checkpoint, "auto")
+    worker = engine.worker
+    worker.policy = ScriptedDevice(bucket_for, warmup=2, probe=2, period=1000)
+    before = engine.stats()
+    times = calibrate_speculation(engine, [4, 16], steps=3)
+    assert set(times) == {4, 16} and times[16] == {"round_ms": 100.0, "plain_ms": 10.0}
+    assert all(rounds >= 3 and plain >= 3 for rounds, plain in calibrated.values()), calibrated
+    after = engine.stats()
+    assert (after.spec_verify_rounds, after.spec_plain_decode_tokens) == (
+        before.spec_verify_rounds,
+        before.spec_plain_decode_tokens,
+    )
+    assert after.cache_tokens == 0
+    modes = []
+    step = worker.step
+
+    def recording(prefill, decode):
+        if decode:
+            modes.append((len(decode), worker.speculates(len(decode))))
+        return step(prefill, decode)
+
+    worker.step = recording
+    outs = engine.generate(input_ids=prompts, sampling_params=staggered_params())
+    assert [o["output_ids"] for o in outs] == reference
+    large = [speculated for n, speculated in modes if n > 4]
+    assert large[0] and not any(large[1:]), large
+    small = [speculated for n, speculated in modes if n <= 4]
+    assert all(small), small
+    assert [speculated for speculated, _ in groupby(s for _, s in modes)] == [True, False, True]

@@ -9,6 +9,7 @@ from runtime.configs.speculative import SpeculativeConfig, parse_disable_by_batc
 from runtime.speculative.speculation_policy import (
     FixedLimit,
     MeasuredSpeculation,
+    StepTimer,
     speculation_policy,
 )
 
@@ -26,10 +27,9 @@ def drive(policy, batch_size: int, steps: int, round_s: float, plain_s: float, a
     for _ in range(steps):
         speculated = policy.speculates(batch_size)
         modes.append(speculated)
-        seconds = round_s if speculated else plain_s
-        policy.record(
-            batch_size, speculated, seconds, tokens_per_request=accept if speculated else None
-        )
+        if speculated:
+            policy.record_accept(batch_size, accept)
+        policy.record(batch_size, speculated, round_s if speculated else plain_s)
     return modes
 
 
@@ -152,3 +152,78 @@ def test_rounds_must_beat_plain_steps_by_the_margin():
         assert modes[:4] == [True, True, False, False]
         assert modes[4:] == [speculates] * 4
         assert policy.describe()["16"]["speculates"] is speculates
+
+
+def test_the_accept_length_weighs_each_request_round_alike():
+    """An exponentially weighted mean over request-rounds, bias-corrected: the first round
+    is taken as it is, a round of 16 requests all but replaces rounds of one request, and
+    a round of one request moves it by `smoothing`."""
+    policy = MeasuredSpeculation(bucket_for, smoothing=0.2)
+    assert policy.accept_length is None
+    policy.record_accept(1, 4.0)
+    assert policy.accept_length == pytest.approx(4.0)
+    policy.record_accept(1, 1.0)  # (0.8 x 0.2 x 4 + 0.2 x 1) / (1 - 0.8^2)
+    assert policy.accept_length == pytest.approx((0.64 + 0.2) / 0.36)
+    policy.record_accept(16, 2.0)
+    assert policy.accept_length == pytest.approx(2.0, abs=0.1)
+    assert policy.request_rounds == 18
+
+
+def test_a_bucket_waits_for_warmup_request_rounds_before_it_decodes_plainly():
+    """Costs known in both modes, but one request's first rounds say little about the
+    acceptance: plain steps only once `warmup` request-rounds are in."""
+    policy = MeasuredSpeculation(bucket_for, warmup=8)
+    policy.calibrate(4, [0.030] * 4, [0.010] * 4)
+    policy.record_accept(1, 1.0)
+    assert policy.speculates(4)
+    policy.record_accept(3, 1.0)
+    policy.record_accept(4, 1.0)
+    assert not policy.speculates(4)  # 1 x 10 ms < 1.15 x 30 ms
+
+
+def test_a_calibrated_bucket_chooses_from_the_first_accept_length_and_probes_a_period_later():
+    """Both modes timed before the traffic: the large bucket decodes plainly from the step
+    after its first round of 16 requests instead of after `warmup` rounds and a probe, and
+    its first probe of rounds comes a period later."""
+    policy = MeasuredSpeculation(bucket_for, warmup=8, probe=2, period=20)
+    policy.calibrate(16, [0.040] * 6, [0.012] * 5)
+    policy.calibrate(1, [0.010] * 6, [0.005] * 6)
+    modes = drive(policy, 16, 25, round_s=0.040, plain_s=0.012, accept=3.0)
+    # the period counts every settled step since the calibration, the first round included
+    assert modes == [True] + [False] * 19 + [True] * 2 + [False] * 3
+    assert policy.describe()["16"] == {
+        "speculates": False,
+        "round_ms": 40.0,
+        "plain_ms": 12.0,
+        "rounds": 3,
+        "plain_steps": 22,
+        "calibrated_round_ms": 40.0,
+        "calibrated_plain_ms": 12.0,
+    }
+    assert drive(policy, 1, 12, round_s=0.010, plain_s=0.005, accept=3.0) == [True] * 12
+
+
+def test_a_mode_the_traffic_has_not_timed_costs_its_calibration_plus_the_others_extra():
+    """Calibrated: rounds of 40 ms, plain steps of 12 ms, so with 3 tokens a round plain
+    steps win. Under load the plain steps take 24 ms: 12 ms more per step, so a round is
+    taken for 52 ms, and 3 x 24 >= 1.15 x 52 makes rounds pay; the round the bucket then
+    runs takes 70 ms (3 x 24 < 1.15 x 70), which decides from then on."""
+    policy = MeasuredSpeculation(bucket_for, warmup=1, probe=3, period=100)
+    policy.calibrate(16, [0.040] * 4, [0.012] * 4)
+    policy.record_accept(16, 3.0)
+    modes = drive(policy, 16, 6, round_s=0.070, plain_s=0.024, accept=3.0)
+    assert modes == [False, True, False, False, False, False]
+    assert policy.describe()["16"]["round_ms"] == 70.0
+
+
+def test_a_step_timer_keeps_the_settled_steps_of_its_mode_by_bucket():
+    timer = StepTimer(lambda n: bucket_for(n) or n, speculate=True)
+    assert timer.speculates(64) and timer.plain_from() is None
+    assert StepTimer(bucket_for, speculate=False).plain_from() == 1
+    timer.record(3, True, 0.02)
+    timer.record(4, True, 0.03)
+    timer.record(2, True, 1.0, settled=False)  # met a compile
+    timer.record(1, True, 0.01)
+    timer.record(1, False, 0.5)  # not its mode
+    timer.record_accept(4, 1.0)  # made-up prompts: ignored
+    assert timer.seconds == {4: [0.02, 0.03], 1: [0.01]}
