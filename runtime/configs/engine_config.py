@@ -168,7 +168,8 @@ class EngineConfig:
         "background",
         "when a batch bucket's graph is built: background (its steps run eagerly until it is "
         "ready), inline (the first step that needs it waits) or startup (every step kind at "
-        "every bucket before the engine serves, as SGLang captures at start-up)",
+        "every bucket before the engine serves, as SGLang captures at start-up; a NEXTN "
+        "engine measuring where speculation pays then times both decode modes at each)",
     )
 
     # checks ------------------------------------------------------------------------------

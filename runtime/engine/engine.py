@@ -103,6 +103,7 @@ class Engine:
             broadcaster=leader.attach(self.slot_table.req_to_token) if leader else None,
             snapshot_slots=setup.snapshot_slots,
             capture=self._capture_config(config),
+            max_pass_rows=config.chunked_prefill_size,
         )
         runners = [self.runner] + ([self.worker.drafter.runner] if self.spec_config else [])
         self.rank_memory: list[RankMemory] = (

@@ -10,8 +10,8 @@ the captured steps are compiled, a few steps of each mode at each bucket cost se
 made-up requests as many as the bucket holds, each mode forced in turn (`StepTimer`).
 Their medians (`MeasuredSpeculation.calibrate`) decide until the traffic has timed both
 modes; the choice waits only for the traffic's acceptance, which made-up prompts cannot
-tell. The requests and what they counted leave
-no trace: the prefix cache is flushed and the speculation counters are put back.
+tell. The requests and what they counted leave no trace: the prefix cache is flushed and
+the speculation counters are put back.
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ PROMPT_LEN = 8
 
 
 def calibration_prompts(count: int, vocab_size: int, first_id: int) -> list[list[int]]:
-    """`count` distinct prompts of `PROMPT_LEN` ids, so no request reuses another's cache."""
+    """`count` distinct prompts of `PROMPT_LEN` ids from `first_id` on (past the usual
+    special tokens), so no request reuses another's cache."""
     span = max(vocab_size - first_id, 1)
     return [
         [first_id + (97 * i + 31 * j + j * j) % span for j in range(PROMPT_LEN)]

@@ -98,10 +98,12 @@ def build_worker(
     broadcaster=None,
     snapshot_slots: int = 0,
     capture: CaptureConfig | None = None,
+    max_pass_rows: int | None = None,
 ) -> tuple[ModelRunner, PlainWorker | NextNWorker]:
     """(target runner, worker). The model classes come from the checkpoint's architectures.
     On rank 0 of a replica, `broadcaster` sends every forward to the other ranks; `capture`
-    replays decode, verify and draft steps from captured graphs."""
+    replays decode, verify and draft steps from captured graphs; `max_pass_rows` bounds a
+    draft pass over rows it skipped (the prefill chunk budget)."""
     runners = build_runners(
         model_config, slot_table, spec, mapping, device, progress, snapshot_slots, capture
     )
@@ -111,7 +113,7 @@ def build_worker(
     if not spec:
         return target, PlainWorker(target, eos_ids, generator)
     drafter = MTPDrafter(runners[DRAFT], spec.num_steps)
-    return target, NextNWorker(target, drafter, spec, eos_ids, generator)
+    return target, NextNWorker(target, drafter, spec, eos_ids, generator, max_pass_rows)
 
 
 def draft_class(target_cls: type, model_config: ModelConfig) -> type:

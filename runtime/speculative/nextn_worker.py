@@ -160,9 +160,12 @@ class NextNWorker:
         spec: SpeculativeConfig,
         eos_ids: set[int],
         generator: torch.Generator | None = None,
+        max_pass_rows: int | None = None,
     ):
         self.target, self.drafter, self.spec = target, drafter, spec
         self.eos_ids, self.generator = eos_ids, generator
+        # rows per draft pass over skipped rows (the prefill chunk budget; None: any)
+        self.max_pass_rows = max_pass_rows if max_pass_rows and max_pass_rows > 0 else None
         self.vocab_size = target.model_config.vocab_size
         self.stats = SpecStats(spec.num_steps)
         self.policy = speculation_policy(
@@ -235,8 +238,8 @@ class NextNWorker:
         dropped. `keep_state`: the prefix cache keeps their state. With a window-only draft
         a finished request's rows (its newest `kv_reach`) go with it
         (`Req.owed_draft_rows`): the draft runs over them only for a later request that
-        resumes from that state. Otherwise the draft runs over the rows now, in one pass for
-        all of them, so the cached draft state is what speculating every step leaves; a
+        resumes from that state. Otherwise the draft runs over the rows now
+        (`_draft_skipped`), so the cached draft state is what speculating every step leaves; a
         request that is not finished (retracted, to resume right there) also gets the
         drafts of its next round. Returns those drafts, None for the others."""
         kept = {r.rid: self.undrafted.pop(r.rid) for r in reqs if r.rid in self.undrafted}
@@ -251,7 +254,7 @@ class NextNWorker:
                 now.append(rows)
         if not now:
             return [None] * len(reqs)
-        drafted = self.drafter.draft(catch_up_draft_batch(now, [not k.req.finished for k in now]))
+        drafted = self._draft_skipped(now, [not k.req.finished for k in now])
         drafts = {rows.req.rid: d for rows, d in zip(now, drafted)}
         return [drafts.get(r.rid) for r in reqs]
 
@@ -313,8 +316,24 @@ class NextNWorker:
         behind = [self.undrafted.pop(r.rid) for r in reqs if r.rid in self.undrafted]
         if not behind:
             return {}
-        drafts = self.drafter.draft(catch_up_draft_batch(behind))
+        drafts = self._draft_skipped(behind, [True] * len(behind))
         return {rows.req.rid: drafted for rows, drafted in zip(behind, drafts)}
+
+    def _draft_skipped(
+        self, kept: Sequence[UndraftedRows], propose: Sequence[bool]
+    ) -> list[list[int] | None]:
+        """The draft over the rows `kept` holds, in passes of whole requests of at most
+        `max_pass_rows` rows together (one request's rows may exceed it alone), as the
+        scheduler chunks prompts: a batch that stopped speculating right after its prompts
+        owes a window of rows per request, and one pass over all of them (8,000 rows at 64
+        requests of the default model) needs several times the transient memory of any
+        prefill chunk, which a process then allocates afresh. Drafts per request, in
+        order (None where `propose` is False)."""
+        drafts: list[list[int] | None] = []
+        for group in pass_groups([len(k) for k in kept], self.max_pass_rows):
+            batch = catch_up_draft_batch([kept[i] for i in group], [propose[i] for i in group])
+            drafts += self.drafter.draft(batch)
+        return drafts
 
     def _prefill(self, chunks: Sequence[Chunk], num_decoding: int) -> list[TokenOutput]:
         """Target extend, a token for every chunk that completes its prompt, then the draft
@@ -532,6 +551,22 @@ def redraft_batch(
         propose=[True] * bs,
         pending_tokens=result.tokens(drafts) if any(r.grammar for r in reqs) else None,
     )
+
+
+def pass_groups(lengths: Sequence[int], max_rows: int | None) -> list[range]:
+    """Consecutive indices of `lengths` in groups of at most `max_rows` rows together (a
+    single longer one alone); one group when `max_rows` is None."""
+    if max_rows is None:
+        return [range(len(lengths))]
+    groups, start, rows = [], 0, 0
+    for i, n in enumerate(lengths):
+        if i > start and rows + n > max_rows:
+            groups.append(range(start, i))
+            start, rows = i, 0
+        rows += n
+    if start < len(lengths):
+        groups.append(range(start, len(lengths)))
+    return groups
 
 
 def catch_up_draft_batch(

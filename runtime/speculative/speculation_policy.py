@@ -163,8 +163,8 @@ class MeasuredSpeculation:
 
     def speculation_pays(self, costs: BucketCosts) -> bool:
         """Whether a round's tokens come faster than plain steps', by the margin (True until
-        both modes and the accept length, over at least `warmup` request-rounds, are
-        measured)."""
+        both modes, or the bucket's calibration, and the accept length over at least
+        `warmup` request-rounds are measured)."""
         round_s, plain_s = costs.round.seconds, costs.plain.seconds
         if costs.calibrated is not None:
             # the traffic's steps cost more than the calibration's by about as much in either
