@@ -28,8 +28,8 @@ the model, the dtype and the drafts' acceptance, so the default (`auto`) measure
   calibration (`StepTimer`, `MeasuredSpeculation.calibrate`) may time both modes at each
   bucket before the traffic, so a fresh server chooses from the first rounds' acceptance
   instead of learning each bucket's costs under load. Until the traffic has timed both
-  modes, a mode it has not timed costs its calibrated time plus what the traffic's steps
-  of the other mode take beyond theirs (a server's streaming and scheduling add about the
+  modes (`probe` steps each), a mode it has not timed costs its calibrated time plus what
+  the traffic's steps of the other mode take beyond theirs (a server's streaming and scheduling add about the
   same time to a step in either mode).
 
 Either way the output is unchanged: a request's tokens are those of plain decoding whichever
@@ -169,7 +169,11 @@ class MeasuredSpeculation:
         if costs.calibrated is not None:
             # the traffic's steps cost more than the calibration's by about as much in either
             # mode (a server's scheduling and streaming are per step, not per row): a mode
-            # the traffic has not timed is its calibrated time plus the other mode's extra
+            # the traffic has not timed (a probe's worth of steps: one step finishing many
+            # requests costs more than the steps around it) is its calibrated time plus the
+            # other mode's extra
+            round_s = round_s if len(costs.round.recent) >= self.probe else None
+            plain_s = plain_s if len(costs.plain.recent) >= self.probe else None
             calibrated_round, calibrated_plain = costs.calibrated
             if round_s is None and plain_s is None:
                 round_s, plain_s = costs.calibrated

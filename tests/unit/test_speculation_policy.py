@@ -205,14 +205,15 @@ def test_a_calibrated_bucket_chooses_from_the_first_accept_length_and_probes_a_p
 
 def test_a_mode_the_traffic_has_not_timed_costs_its_calibration_plus_the_others_extra():
     """Calibrated: rounds of 40 ms, plain steps of 12 ms, so with 3 tokens a round plain
-    steps win. Under load the plain steps take 24 ms: 12 ms more per step, so a round is
-    taken for 52 ms, and 3 x 24 >= 1.15 x 52 makes rounds pay; the round the bucket then
-    runs takes 70 ms (3 x 24 < 1.15 x 70), which decides from then on."""
+    steps win. Under load the plain steps take 24 ms: once a probe's worth of them (3) is
+    timed, that is 12 ms more per step, so a round is taken for 52 ms, and 3 x 24 >= 1.15 x
+    52 makes rounds pay; the rounds the bucket then runs take 70 ms (3 x 24 < 1.15 x 70),
+    which decides once 3 are timed."""
     policy = MeasuredSpeculation(bucket_for, warmup=1, probe=3, period=100)
     policy.calibrate(16, [0.040] * 4, [0.012] * 4)
     policy.record_accept(16, 3.0)
-    modes = drive(policy, 16, 6, round_s=0.070, plain_s=0.024, accept=3.0)
-    assert modes == [False, True, False, False, False, False]
+    modes = drive(policy, 16, 8, round_s=0.070, plain_s=0.024, accept=3.0)
+    assert modes == [False] * 3 + [True] * 3 + [False] * 2
     assert policy.describe()["16"]["round_ms"] == 70.0
 
 
