@@ -29,8 +29,8 @@ the model, the dtype and the drafts' acceptance, so the default (`auto`) measure
   bucket before the traffic, so a fresh server chooses from the first rounds' acceptance
   instead of learning each bucket's costs under load. Until the traffic has timed both
   modes (`probe` steps each), a mode it has not timed costs its calibrated time plus what
-  the traffic's steps of the other mode take beyond theirs (a server's streaming and scheduling add about the
-  same time to a step in either mode).
+  the traffic's steps of the other mode take beyond theirs (a server's streaming and
+  scheduling add about the same time to a step in either mode).
 
 Either way the output is unchanged: a request's tokens are those of plain decoding whichever
 mode each of its steps ran in (`NextNWorker` catches the draft up when speculation resumes).

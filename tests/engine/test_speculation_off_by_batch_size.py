@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 
 from runtime import Engine
-from runtime.speculative.speculation_policy import FixedLimit
+from runtime.speculative.speculation_policy import FixedLimit, MeasuredSpeculation
 from tests.engine.test_nextn import make_prompts
 
 NUM_PROMPTS = 12
@@ -289,6 +289,49 @@ def test_a_snapshot_taken_mid_prompt_keeps_the_rows_the_draft_skipped(checkpoint
     assert len(proposals) >= 2 and proposals == reference
 
 
+def scripted_bucket(n: int) -> int:
+    return 4 if n <= 4 else 16
+
+
+def scripted_seconds(bucket: int, speculated: bool) -> float:
+    """A device where a round of the large bucket costs ten plain steps and a round of the
+    small one half of one."""
+    return (0.100 if bucket == 16 else 0.005) if speculated else 0.010
+
+
+class ScriptedDevice(MeasuredSpeculation):
+    """Measured (and calibrated) costs replaced by the device's above; the choice is the
+    policy's own. `calibration_counts`: how many timings of each mode a calibration handed in."""
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.calibration_counts = {}
+
+    def calibrate(self, bucket, round_seconds, plain_seconds):
+        self.calibration_counts[bucket] = (len(round_seconds), len(plain_seconds))
+        n = len(round_seconds)
+        rounds, plain = scripted_seconds(bucket, True), scripted_seconds(bucket, False)
+        super().calibrate(bucket, [rounds] * n, [plain] * n)
+
+    def record(self, batch_size, speculated, seconds, **kw):
+        seconds = scripted_seconds(scripted_bucket(batch_size), speculated)
+        super().record(batch_size, speculated, seconds, **kw)
+
+
+def record_modes(worker) -> list[tuple[int, bool]]:
+    """(decode batch size, whether it speculates) of every step with decode rows."""
+    modes = []
+    step = worker.step
+
+    def recording(prefill, decode):
+        if decode:
+            modes.append((len(decode), worker.speculates(len(decode))))
+        return step(prefill, decode)
+
+    worker.step = recording
+    return modes
+
+
 def test_a_measured_policy_decodes_plainly_where_rounds_cost_more_and_output_stays_plain(
     checkpoint, greedy_reference
 ):
@@ -299,33 +342,11 @@ def test_a_measured_policy_decodes_plainly_where_rounds_cost_more_and_output_sta
     decoding's. The engine's stats report each bucket's choice."""
     from itertools import groupby
 
-    from runtime.speculative.speculation_policy import MeasuredSpeculation
-
     prompts, reference = greedy_reference
-
-    def bucket_for(n):
-        return 4 if n <= 4 else 16
-
-    class ScriptedDevice(MeasuredSpeculation):
-        """Measured costs replaced by the device's above; the choice is the policy's own."""
-
-        def record(self, batch_size, speculated, seconds, **kw):
-            large = bucket_for(batch_size) == 16
-            seconds = (0.100 if large else 0.005) if speculated else 0.010
-            super().record(batch_size, speculated, seconds, **kw)
-
     engine = nextn_of(checkpoint, "auto")
     worker = engine.worker
-    worker.policy = ScriptedDevice(bucket_for, warmup=2, probe=2, period=6)
-    modes = []
-    step = worker.step
-
-    def recording(prefill, decode):
-        if decode:
-            modes.append((len(decode), worker.speculates(len(decode))))
-        return step(prefill, decode)
-
-    worker.step = recording
+    worker.policy = ScriptedDevice(scripted_bucket, warmup=2, probe=2, period=6)
+    modes = record_modes(worker)
     outs = engine.generate(input_ids=prompts, sampling_params=staggered_params())
     assert [o["output_ids"] for o in outs] == reference
     # a step is timed from the end of the one before when both decode only, in the same
@@ -362,49 +383,23 @@ def test_a_calibrated_policy_decodes_plainly_from_the_first_large_rounds(
     from itertools import groupby
 
     from runtime.engine.speculation_calibration import calibrate_speculation
-    from runtime.speculative.speculation_policy import MeasuredSpeculation
 
     prompts, reference = greedy_reference
-
-    def bucket_for(n):
-        return 4 if n <= 4 else 16
-
-    calibrated = {}
-
-    class ScriptedDevice(MeasuredSpeculation):
-        def calibrate(self, bucket, round_seconds, plain_seconds):
-            calibrated[bucket] = (len(round_seconds), len(plain_seconds))
-            large = bucket == 16
-            n = len(round_seconds)
-            super().calibrate(bucket, [0.100 if large else 0.005] * n, [0.010] * n)
-
-        def record(self, batch_size, speculated, seconds, **kw):
-            large = bucket_for(batch_size) == 16
-            seconds = (0.100 if large else 0.005) if speculated else 0.010
-            super().record(batch_size, speculated, seconds, **kw)
-
     engine = nextn_of(checkpoint, "auto")
     worker = engine.worker
-    worker.policy = ScriptedDevice(bucket_for, warmup=2, probe=2, period=1000)
+    policy = worker.policy = ScriptedDevice(scripted_bucket, warmup=2, probe=2, period=1000)
     before = engine.stats()
     times = calibrate_speculation(engine, [4, 16], steps=3)
     assert set(times) == {4, 16} and times[16] == {"round_ms": 100.0, "plain_ms": 10.0}
-    assert all(rounds >= 3 and plain >= 3 for rounds, plain in calibrated.values()), calibrated
+    counts = policy.calibration_counts
+    assert all(rounds >= 3 and plain >= 3 for rounds, plain in counts.values()), counts
     after = engine.stats()
     assert (after.spec_verify_rounds, after.spec_plain_decode_tokens) == (
         before.spec_verify_rounds,
         before.spec_plain_decode_tokens,
     )
     assert after.cache_tokens == 0
-    modes = []
-    step = worker.step
-
-    def recording(prefill, decode):
-        if decode:
-            modes.append((len(decode), worker.speculates(len(decode))))
-        return step(prefill, decode)
-
-    worker.step = recording
+    modes = record_modes(worker)
     outs = engine.generate(input_ids=prompts, sampling_params=staggered_params())
     assert [o["output_ids"] for o in outs] == reference
     large = [speculated for n, speculated in modes if n > 4]
