@@ -24,6 +24,11 @@ class TokenOutput:
     draft_tokens: list[int] | None = None  # the drafts the next verify round checks
 
 
+def chunk_budget(chunked_prefill_size: int | None) -> int | None:
+    """Rows of prompt a step may hold (`--chunked-prefill-size`; None or -1: no bound)."""
+    return chunked_prefill_size if chunked_prefill_size and chunked_prefill_size > 0 else None
+
+
 @dataclass
 class Chunk:
     """One request's share of a step: tokens `all_ids[start:end]`."""

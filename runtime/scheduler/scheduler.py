@@ -36,7 +36,7 @@ from functools import partial
 from runtime.cache.prefix_cache import Admission, PrefixCache
 from runtime.cache.slot_table import SlotTable
 from runtime.core.request import FinishReason, Req
-from runtime.core.step_io import Chunk, TokenOutput
+from runtime.core.step_io import Chunk, TokenOutput, chunk_budget
 from runtime.scheduler.fault_isolation import FaultIsolation, SuspectGroup
 
 logger = logging.getLogger(__name__)
@@ -63,9 +63,7 @@ class Scheduler:
         self._needs_drafts = bool(getattr(worker, "needs_drafts", False))
         self.eos_ids = eos_ids
         self.max_running_requests = max_running_requests
-        self.chunk_budget = (
-            chunked_prefill_size if chunked_prefill_size and chunked_prefill_size > 0 else None
-        )
+        self.chunk_budget = chunk_budget(chunked_prefill_size)
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self.isolation = FaultIsolation()

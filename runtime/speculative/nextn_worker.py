@@ -51,7 +51,7 @@ from runtime.configs.speculative import SpeculativeConfig
 from runtime.constrained import bitmask as grammar_bitmask
 from runtime.core.forward_mode import CaptureHiddenMode, ForwardMode
 from runtime.core.request import OwedDraftRows, Req
-from runtime.core.step_io import Chunk, TokenOutput
+from runtime.core.step_io import Chunk, TokenOutput, chunk_budget
 from runtime.execution.model_runner import ModelInput, ModelRunner
 from runtime.execution.penalties import RowHistory, adjust_logits
 from runtime.execution.sampler import SamplingBatch
@@ -165,7 +165,7 @@ class NextNWorker:
         self.target, self.drafter, self.spec = target, drafter, spec
         self.eos_ids, self.generator = eos_ids, generator
         # rows per draft pass over skipped rows (the prefill chunk budget; None: any)
-        self.max_pass_rows = max_pass_rows if max_pass_rows and max_pass_rows > 0 else None
+        self.max_pass_rows = chunk_budget(max_pass_rows)
         self.vocab_size = target.model_config.vocab_size
         self.stats = SpecStats(spec.num_steps)
         self.policy = speculation_policy(

@@ -269,9 +269,6 @@ class StepTimer:
     def record_accept(self, requests: int, tokens_per_request: float) -> None:
         """Made-up prompts' acceptance: not the traffic's."""
 
-    def reset(self) -> None:
-        self.seconds.clear()
-
     def plain_from(self) -> int | None:
         return None if self.speculate else 1
 
