@@ -49,10 +49,17 @@ class CaptureConfig:
     fused_round: bool = True
 
     def buckets(self, max_running_requests: int) -> tuple[int, ...]:
-        """Ascending bucket sizes; a batch runs in the smallest bucket that holds it."""
-        limit = self.max_batch_size or max_running_requests
-        sizes = self.batch_sizes or tuple(b for b in DEFAULT_BATCH_SIZES if b < limit) + (limit,)
-        sizes = tuple(sorted({b for b in sizes if 1 <= b <= max(limit, 1)}))
+        """Ascending bucket sizes; a batch runs in the smallest bucket that holds it. Sizes
+        above the largest batch captured (`--cuda-graph-max-bs`, else the running-request
+        limit) give way to that batch size, as SGLang adds its request limit when a listed
+        size exceeds it: `--cuda-graph-bs 1 4 16 64` under NEXTN's default of 48 running
+        requests captures 1, 4, 16 and 48, so no batch of 17-48 runs eagerly."""
+        limit = max(self.max_batch_size or max_running_requests, 1)
+        requested = self.batch_sizes or (*(b for b in DEFAULT_BATCH_SIZES if b < limit), limit)
+        sizes = {b for b in requested if 1 <= b <= limit}
+        if any(b > limit for b in requested):
+            sizes.add(limit)
+        sizes = tuple(sorted(sizes))
         if not sizes:
             raise ValueError(
                 f"no capture batch size within 1..{limit}; check --cuda-graph-bs and "

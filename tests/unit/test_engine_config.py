@@ -132,6 +132,14 @@ def test_capture_flags_and_why_steps_run_eagerly(monkeypatch):
     capture = config.capture_config()
     assert capture.enabled and not capture.background and capture.buckets(8) == (1, 4)
     assert EngineConfig(cuda_graph_max_bs=6).capture_config().buckets(64) == (1, 2, 4, 6)
+    # a listed size above the largest batch gives way to that batch size (SGLang adds its
+    # request limit), so every batch the engine can run has a bucket
+    listed = EngineConfig(cuda_graph_bs=[1, 4, 16, 64], speculative_algorithm="NEXTN").resolve()
+    assert listed.max_running_requests == 48
+    assert listed.capture_config().buckets(listed.max_running_requests) == (1, 4, 16, 48)
+    capped = EngineConfig(cuda_graph_bs=[1, 4, 16, 64], cuda_graph_max_bs=8).capture_config()
+    assert capped.buckets(64) == (1, 4, 8)
+    assert EngineConfig(cuda_graph_bs=[1, 2]).capture_config().buckets(64) == (1, 2)
     off = EngineConfig(disable_cuda_graph=True)
     assert not off.capture_config().enabled and off.capture_off_reason() == "--disable-cuda-graph"
     assert EngineConfig().resolve().capture_config().background  # the default mode
