@@ -145,8 +145,9 @@ class EngineConfig:
         None, "largest captured batch size (default: --max-running-requests)"
     )
     cuda_graph_bs: list[int] | None = setting(
-        None, "captured batch sizes (default 1, 2, 4, 8, 12, 16, 24, 32, ... up to the max; sizes "
-        "above the max give way to the max itself, as in SGLang)"
+        None,
+        "captured batch sizes (default 1, 2, 4, 8, 12, 16, 24, 32, ... up to the max; sizes "
+        "above the max give way to the max itself, as in SGLang)",
     )
     enable_torch_compile: bool = setting(
         False,
