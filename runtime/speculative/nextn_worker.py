@@ -569,12 +569,10 @@ def pass_groups(lengths: Sequence[int], max_rows: int | None) -> list[range]:
     return groups
 
 
-def catch_up_draft_batch(
-    kept: Sequence[UndraftedRows], propose: Sequence[bool] | None = None
-) -> DraftBatch:
+def catch_up_draft_batch(kept: Sequence[UndraftedRows], propose: Sequence[bool]) -> DraftBatch:
     """The draft's pass over the rows requests decoded without speculation, proposing from
-    each request's newest row (where `propose` says so; default all). Their grammars have
-    seen every emitted token already."""
+    each request's newest row where `propose` says so. Their grammars have seen every
+    emitted token already."""
     reqs = [k.req for k in kept]
     return DraftBatch(
         reqs=reqs,
@@ -583,7 +581,7 @@ def catch_up_draft_batch(
         next_tokens=torch.tensor([t for k in kept for t in k.following], dtype=torch.long),
         target_hidden=torch.stack([h for k in kept for h in k.hidden]),
         gather_rows=[len(k) - 1 for k in kept],
-        propose=[True] * len(kept) if propose is None else list(propose),
+        propose=list(propose),
         pending_tokens=[[] for _ in kept] if any(r.grammar for r in reqs) else None,
         from_latest_target=False,
     )
