@@ -23,12 +23,14 @@ runs eagerly (`CaptureConfig.background`, CPU), or in the calling thread (always
 graphs, which record in seconds, and cannot record beside another thread's synchronising
 calls; they share one memory pool). Each (kind, bucket)
 gets a code object of its own, so its dynamo cache holds exactly one graph and the guards
-need not be evaluated on every call. Compiled artifacts persist in inductor's FX graph and
+need not be evaluated on every call (they are while another thread compiles:
+`GuardSkipping`). Compiled artifacts persist in inductor's FX graph and
 AOT autograd caches under the runtime cache directory, so a second start only re-traces.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import logging
@@ -58,6 +60,47 @@ ENTRY_MULTIPLE = 16  # compressed-entry counts are padded to this (CPU: a dynami
 CPU_INDUCTOR_OPTIONS = {"cpp_wrapper": True}
 _compile_lock = threading.Lock()
 SKIP_GUARDS = os.environ.get("NEXTN_CHECK_GUARDS") is None
+
+
+class GuardSkipping:
+    """Captured calls skip dynamo's guard evaluation (`skip_guard_eval_unsafe`: each step's
+    code object holds one graph, see the module docstring). That stance is process-wide,
+    and dynamo refuses to compile under it ("Recompilation triggered with
+    skip_guard_eval_unsafe stance"): a background compile that began while the serving
+    thread was inside a captured call failed, and its step ran eagerly for good. So a call
+    takes the stance only while no compile runs (otherwise it evaluates the guards), and a
+    compile starts only once no call holds it (a wait of one step at most)."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        self._lock = threading.Lock()  # held by a call in the stance, or to count compiles
+        self._compiles = 0
+
+    @contextlib.contextmanager
+    def call(self):
+        # never block the serving thread: if a compile is being counted, evaluate guards
+        if self.enabled and self._lock.acquire(blocking=False):
+            try:
+                if not self._compiles:
+                    with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
+                        yield
+                    return
+            finally:
+                self._lock.release()
+        yield
+
+    @contextlib.contextmanager
+    def compiling(self):
+        with self._lock:
+            self._compiles += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._compiles -= 1
+
+
+guard_skipping = GuardSkipping(SKIP_GUARDS)
 LOGITS_ALL, LOGITS_PER_REQUEST = "all rows", "one row per request"
 
 
@@ -410,7 +453,7 @@ class GraphRunner:
     @staticmethod
     def _call_compiled(step: CapturedStep, args: tuple):
         mark_dynamic_dims(args)
-        with torch.compiler.set_stance(skip_guard_eval_unsafe=SKIP_GUARDS):
+        with guard_skipping.call():
             return step.fn(*args)
 
     # --- compiling -----------------------------------------------------------------------
@@ -488,7 +531,12 @@ class GraphRunner:
         start = time.perf_counter()
         try:
             # on a replica every rank compiles this step now and then runs it together
-            with torch.inference_mode(), _compile_lock, patient_collectives():
+            with (
+                torch.inference_mode(),
+                _compile_lock,
+                guard_skipping.compiling(),
+                patient_collectives(),
+            ):
                 self.configure_regions()
                 args = self._padding_args(step)
                 if self.cuda:
