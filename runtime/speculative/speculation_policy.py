@@ -17,14 +17,22 @@ the model, the dtype and the drafts' acceptance, so the default (`auto`) measure
   `accept_length x plain_seconds >= (1 + margin) x round_seconds`: a round's tokens would
   take longer as plain steps, by a margin (15%) for what speculating costs outside its
   rounds (the draft's pass over each prompt's newest window, which waits while steps run
-  plainly; its catch-ups at each switch). It starts by speculating, runs a few plain
+  plainly; its catch-ups at each switch). A bucket that decodes plainly turns speculation
+  back on only by a further margin (`hysteresis`, 15%): near break-even, noise in the
+  medians (a step slowed by a prompt's prefill, the acceptance of the last few rounds)
+  would otherwise flip it back and forth, and each switch on costs a catch-up of the
+  draft over every request's skipped rows. It starts by speculating, runs a few plain
   steps once it has timed a few rounds, and every `period` steps after that runs a few
   steps of the mode it is not using, so the choice follows the acceptance of the
   requests of the moment and the machine's speed; a probe that changes nothing doubles
   the period (up to `max_period`), since probing rounds in a bucket that decodes plainly
-  first catches the draft up. Only settled steps count: a step that ran (or waited for) a
-  bucket still compiling says nothing about its captured cost, and a round that first
-  caught the draft up over skipped rows pays for the switch, not for the round. A start-up
+  first catches the draft up. A step that ran (or waited for) a bucket still compiling
+  (unsettled) says nothing about its captured cost: such steps are timed apart, and a
+  mode's unsettled time stands for it only until settled steps of that mode are timed, so
+  a bucket whose steps load in the background (each steals time from the serving thread,
+  for seconds to minutes) still chooses by what its steps cost while they load rather
+  than speculating blindly. A round that first caught the draft up over skipped rows pays
+  for the switch, not for the round and is not timed. A start-up
   calibration (`StepTimer`, `MeasuredSpeculation.calibrate`) may time both modes at each
   bucket before the traffic, so a fresh server chooses from the first rounds' acceptance
   instead of learning each bucket's costs under load. Until the traffic has timed both
@@ -92,11 +100,16 @@ class BucketCosts:
 
     round: RecentCost = field(default_factory=RecentCost)
     plain: RecentCost = field(default_factory=RecentCost)
+    # steps that met a step of the bucket still compiling (eager, or padded to a larger
+    # bucket, beside a compile): a mode's stand-in until its settled steps are timed
+    loading_round: RecentCost = field(default_factory=RecentCost)
+    loading_plain: RecentCost = field(default_factory=RecentCost)
     calibrated: tuple[float, float] | None = None  # (round, plain) seconds before the traffic
     since_probe: int = 0  # settled steps since the last probe ended (or since the first one)
     probe_left: int = 0  # steps of `probe_speculates` still to run
     probe_speculates: bool = False
     period: int = 0  # steps between probes now (0: no probe has started here yet)
+    speculating: bool | None = None  # the latest choice outside a probe (None: none yet)
 
 
 class MeasuredSpeculation:
@@ -116,10 +129,11 @@ class MeasuredSpeculation:
         max_period: int = 1024,
         smoothing: float = 0.2,
         margin: float = 0.15,
+        hysteresis: float = 0.15,
     ):
         self.bucket_for = bucket_for
         self.warmup, self.probe, self.period, self.smoothing = warmup, probe, period, smoothing
-        self.max_period, self.margin = max_period, margin
+        self.max_period, self.margin, self.hysteresis = max_period, margin, hysteresis
         self.buckets: dict[int, BucketCosts] = {}
         self.request_rounds = 0  # rounds seen, one per request in each
         self._accept_sum = self._accept_weight = 0.0
@@ -162,11 +176,14 @@ class MeasuredSpeculation:
         return self.buckets.setdefault(self.bucket_of(batch_size), BucketCosts())
 
     def speculation_pays(self, costs: BucketCosts) -> bool:
-        """Whether a round's tokens come faster than plain steps', by the margin (True until
-        both modes, or the bucket's calibration, and the accept length over at least
-        `warmup` request-rounds are measured)."""
-        round_s, plain_s = costs.round.seconds, costs.plain.seconds
+        """Whether a round's tokens come faster than plain steps', by the margin, and by the
+        hysteresis too where the bucket decodes plainly now (True until both modes, or the
+        bucket's calibration, and the accept length over at least `warmup` request-rounds
+        are measured)."""
+        round_s = _newest_seconds(costs.round, costs.loading_round)
+        plain_s = _newest_seconds(costs.plain, costs.loading_plain)
         if costs.calibrated is not None:
+            round_s, plain_s = costs.round.seconds, costs.plain.seconds
             # the traffic's steps cost more than the calibration's by about as much in either
             # mode (a server's scheduling and streaming are per step, not per row): a mode
             # the traffic has not timed (a probe's worth of steps: one step finishing many
@@ -185,7 +202,8 @@ class MeasuredSpeculation:
             return True
         if self.request_rounds < self.warmup:
             return True
-        return self.accept_length * plain_s >= (1 + self.margin) * round_s
+        margin = self.margin + (self.hysteresis if costs.speculating is False else 0.0)
+        return self.accept_length * plain_s >= (1 + margin) * round_s
 
     def speculates(self, batch_size: int) -> bool:
         costs = self.buckets.get(self.bucket_of(batch_size))
@@ -193,19 +211,19 @@ class MeasuredSpeculation:
             return True  # nothing measured here yet
         if costs.probe_left:
             return costs.probe_speculates
-        return self.speculation_pays(costs)
+        costs.speculating = self.speculation_pays(costs)
+        return costs.speculating
 
     def record(self, batch_size: int, speculated: bool, seconds: float, *, settled=True) -> None:
         """One decode step's time. `settled`: every captured step it ran was its own bucket's
-        and ready (no compile ran or was pending); an unsettled step ends a probe of its mode
-        (the probe comes back a period later)."""
+        and ready (no compile ran or was pending); an unsettled step is timed apart, as its
+        mode's stand-in until settled steps of that mode are timed."""
         costs = self._costs(batch_size)
         probing = costs.probe_left > 0 and speculated == costs.probe_speculates
-        if not settled:
-            if probing:
-                costs.probe_left, costs.since_probe = 0, 0
-            return
-        (costs.round if speculated else costs.plain).add(seconds)
+        if settled:
+            (costs.round if speculated else costs.plain).add(seconds)
+        else:
+            (costs.loading_round if speculated else costs.loading_plain).add(seconds)
         if probing:
             costs.probe_left -= 1
             if not costs.probe_left:
@@ -244,6 +262,11 @@ class MeasuredSpeculation:
                 out[str(bucket)].update(
                     calibrated_round_ms=_ms(round_s), calibrated_plain_ms=_ms(plain_s)
                 )
+            if costs.loading_round.samples or costs.loading_plain.samples:
+                out[str(bucket)].update(
+                    loading_round_ms=_ms(costs.loading_round.seconds),
+                    loading_plain_ms=_ms(costs.loading_plain.seconds),
+                )
         return out
 
 
@@ -274,6 +297,11 @@ class StepTimer:
 
     def describe(self) -> dict:
         return {}
+
+
+def _newest_seconds(settled: RecentCost, loading: RecentCost) -> float | None:
+    """A mode's cost: its settled steps' once any are timed, else its unsettled steps'."""
+    return settled.seconds if settled.samples else loading.seconds
 
 
 def _ms(seconds: float | None) -> float | None:

@@ -87,7 +87,7 @@ def server_speculation_choices(info: dict) -> dict:
         out["spec_buckets"] = "; ".join(
             f"{bucket}: {'on' if b['speculates'] else 'off'} "
             f"(round {b['round_ms']} ms x {b['rounds']}, plain {b['plain_ms']} ms x "
-            f"{b['plain_steps']}{calibrated(b)})"
+            f"{b['plain_steps']}{calibrated(b)}{loading(b)})"
             for bucket, b in buckets.items()
         )
     return out
@@ -100,6 +100,16 @@ def calibrated(bucket: dict) -> str:
     return (
         f"; calibrated round {bucket['calibrated_round_ms']} ms, "
         f"plain {bucket['calibrated_plain_ms']} ms"
+    )
+
+
+def loading(bucket: dict) -> str:
+    """A bucket's times of steps beside a compile (its background loads), if it has them."""
+    if "loading_round_ms" not in bucket:
+        return ""
+    return (
+        f"; while loading round {bucket['loading_round_ms']} ms, "
+        f"plain {bucket['loading_plain_ms']} ms"
     )
 
 

@@ -492,8 +492,8 @@ def test_cuda_runner_records_inline_and_warns_about_compiling_on_first_use(caplo
 
 
 def test_steps_that_meet_their_bucket_not_ready_are_counted_unsettled(tiny_v4, monkeypatch):
-    """A measured speculation policy skips the time of steps that met their own bucket
-    compiling (or about to): `unsettled_runs` counts them, and only them. A step kind that
+    """A measured speculation policy times steps that met their own bucket compiling (or
+    about to) apart from the others: `unsettled_runs` counts them, and only them. A step kind that
     start-up left uncompiled (it runs eagerly for good) is settled."""
     from runtime.execution.graph_runner import LOGITS_PER_REQUEST, StepKey
 

@@ -120,18 +120,47 @@ def test_the_losing_mode_is_probed_every_period_and_the_choice_follows_a_change(
     assert policy.describe()["4"]["round_ms"] == 15.0
 
 
-def test_a_step_that_met_a_compiling_bucket_ends_the_probe_and_counts_nothing():
-    """The plain step's bucket compiles when the first probe reaches it: the probe stops
-    (speculation goes on) and comes back a period later; nothing unsettled is averaged."""
+def drive_loading(policy, batch_size, steps, round_s, plain_s, accept, settled):
+    """`drive` with each step's settledness given per mode: `settled(speculated)`."""
+    modes = []
+    for _ in range(steps):
+        speculated = policy.speculates(batch_size)
+        modes.append(speculated)
+        if speculated:
+            policy.record_accept(batch_size, accept)
+        seconds = round_s if speculated else plain_s
+        policy.record(batch_size, speculated, seconds, settled=settled(speculated))
+    return modes
+
+
+def test_steps_beside_a_compile_are_timed_apart_and_decide_until_settled_ones_exist():
+    """A bucket whose steps all load in the background: rounds of 300 ms yielding 3 tokens
+    against plain steps of 50 ms, none settled. After `warmup` rounds the probe of plain
+    steps decides by those times (3 x 50 < 1.15 x 300) instead of speculating until a
+    compile ends, and the bucket decodes plainly until its probe of rounds a period later.
+    The steps are ready by then: the probe's settled rounds of 20 ms replace the loading
+    ones (3 x 50 >= 1.15 x 20: speculation resumes), and the next probe's settled plain
+    steps of 10 ms replace theirs and keep it (3 x 10 >= 1.15 x 20)."""
     policy = MeasuredSpeculation(bucket_for, warmup=3, probe=2, period=6)
-    drive(policy, 4, 3, round_s=0.01, plain_s=0.02, accept=2.0)
-    assert not policy.speculates(4)  # the first probe
-    policy.record(4, False, 5.0, settled=False)  # an eager step while its bucket compiles
-    costs = policy.buckets[4]
-    assert costs.plain.samples == 0 and costs.probe_left == 0
-    assert drive(policy, 4, 6, round_s=0.01, plain_s=0.02, accept=2.0) == [True] * 6
-    assert drive(policy, 4, 3, round_s=0.01, plain_s=0.02, accept=2.0) == [False, False, True]
-    assert policy.describe()["4"]["plain_ms"] == 20.0
+    loading = drive_loading(policy, 4, 11, 0.300, 0.050, 3.0, settled=lambda s: False)
+    assert loading == [True] * 3 + [False] * 8
+    described = policy.describe()["4"]
+    assert described["round_ms"] is None and described["plain_ms"] is None
+    assert (described["loading_round_ms"], described["loading_plain_ms"]) == (300.0, 50.0)
+    ready = drive_loading(policy, 4, 12, 0.020, 0.010, 3.0, settled=lambda s: True)
+    assert ready == [True] * 8 + [False] * 2 + [True] * 2
+    assert (policy.describe()["4"]["round_ms"], policy.describe()["4"]["plain_ms"]) == (20, 10)
+
+
+def test_a_settled_mode_replaces_its_loading_time_the_other_keeps_its_own():
+    """Only the rounds' bucket still loads: settled plain steps of 12 ms against rounds
+    timed at 40 ms beside the compile decode plainly (3 x 12 < 1.15 x 40)."""
+    policy = MeasuredSpeculation(bucket_for, warmup=2, probe=2, period=100)
+    modes = drive_loading(policy, 16, 8, 0.040, 0.012, 3.0, settled=lambda s: not s)
+    assert modes == [True] * 2 + [False] * 6
+    costs = policy.buckets[16]
+    assert costs.round.samples == 0 and costs.loading_round.samples == 2
+    assert costs.plain.samples == 6 and costs.loading_plain.samples == 0
 
 
 def test_a_reset_forgets_the_warm_up():
@@ -152,6 +181,25 @@ def test_rounds_must_beat_plain_steps_by_the_margin():
         assert modes[:4] == [True, True, False, False]
         assert modes[4:] == [speculates] * 4
         assert policy.describe()["16"]["speculates"] is speculates
+
+
+def test_a_bucket_decoding_plainly_needs_the_hysteresis_too_to_speculate_again():
+    """Rounds of 30 ms yielding 3 tokens against plain steps of 12 ms: a round's tokens
+    come 1.2x faster than plain steps, above the 15% margin but below it plus the 15%
+    hysteresis. A bucket that speculates keeps speculating; one that decodes plainly
+    (its rounds took 40 ms before) stays plain after its probe of 30 ms rounds, where
+    rounds of 25 ms (1.44x) turn speculation back on."""
+    kwargs = dict(warmup=2, probe=4, period=4, smoothing=1.0)
+    speculating = MeasuredSpeculation(bucket_for, **kwargs)
+    modes = drive(speculating, 16, 10, round_s=0.030, plain_s=0.012, accept=3.0)
+    assert modes == [True] * 2 + [False] * 4 + [True] * 4
+    for round_s, resumes in ((0.030, False), (0.025, True)):
+        plain = MeasuredSpeculation(bucket_for, **kwargs)
+        modes = drive(plain, 16, 6, round_s=0.040, plain_s=0.012, accept=3.0)
+        assert modes == [True] * 2 + [False] * 4
+        # 4 plain steps, a probe of 4 rounds, then the choice
+        modes = drive(plain, 16, 10, round_s=round_s, plain_s=0.012, accept=3.0)
+        assert modes == [False] * 4 + [True] * 4 + [resumes] * 2
 
 
 def test_the_accept_length_weighs_each_request_round_alike():
