@@ -12,6 +12,7 @@ With a measured speculation policy each bucket's decode modes are then timed
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -79,16 +80,14 @@ def warm_up(engine, num_tokens: int = 8, sampled: bool = True) -> None:
     policy = getattr(worker, "policy", None)
     if policy is not None and policy.plain_from() is not None:
         graph_runners = [r.graph_runner for r in captured_runners(engine)]
-        on_demand = [g.compiles_on_demand for g in graph_runners]
         try:
             worker.policy = FixedLimit(1)
-            for g in graph_runners:
-                g.compiles_on_demand = False
-            engine.generate(input_ids=prompt, sampling_params=params)
+            with contextlib.ExitStack() as stack:
+                for g in graph_runners:
+                    stack.enter_context(g.no_new_compiles())
+                engine.generate(input_ids=prompt, sampling_params=params)
         finally:
             worker.policy = policy
-            for g, was in zip(graph_runners, on_demand):
-                g.compiles_on_demand = was
     if policy is not None:
         policy.reset()  # the warm-up's steps timed its compiles, not the captured steps
     engine.flush_cache()

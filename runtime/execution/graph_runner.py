@@ -314,6 +314,27 @@ class GraphRunner:
             return tuple(o.clone() for o in outputs)  # the next replay overwrites them
         return self._call_compiled(step, args)
 
+    def loading(self, key: StepKey) -> bool:
+        """Whether the step of `key` is compiling, or queued to (not ready, not failed)."""
+        step = self._steps.get(key)
+        if step is None:
+            return False
+        return step.state is StepState.COMPILING or (
+            step.state is StepState.PENDING and self.compiles_on_demand
+        )
+
+    @contextlib.contextmanager
+    def no_new_compiles(self):
+        """Steps met meanwhile that are not compiled yet run eagerly (or padded into a larger
+        ready bucket) and are not queued for a compile: work a batch runs only until another
+        step of its own is ready, or a warm-up's request whose steps compile at the buckets
+        the traffic meets instead of at its own batch size."""
+        was, self.compiles_on_demand = self.compiles_on_demand, False
+        try:
+            yield
+        finally:
+            self.compiles_on_demand = was
+
     def _ready_step(
         self, key: StepKey, hidden: torch.Tensor | None, recipe: StepRecipe | None = None
     ) -> CapturedStep | None:

@@ -86,6 +86,11 @@ class CapturedRound:
             recipe=ROUND_NAME,
         )
 
+    def loading(self, batch_size: int) -> bool:
+        """Whether the round of `batch_size` requests waits for its own bucket to compile."""
+        key = self.key(batch_size)
+        return key is not None and self.target.graph_runner.loading(key)
+
     # --- running ---------------------------------------------------------------------------
     @torch.inference_mode()  # as every forward (and the compile) runs
     def run(self, verify: ModelInput) -> RoundOutput | None:

@@ -41,6 +41,7 @@ from that state (`_adopt_owed`), as it catches up over its own skipped rows.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -394,24 +395,31 @@ class NextNWorker:
         verified rows."""
         drafts = pending_drafts(reqs, fresh)  # [bs, S]
         verify = verify_input(reqs, drafts)
-        fused = self._fused_round(reqs, verify)
+        fusable = self._fusable(reqs)
+        fused = self.captured_round.run(verify) if fusable else None
         if fused is not None:
             self._commit(reqs, fused.result)
             return self._round_outputs(reqs, drafts, fused.result, fused.logits, fused.next_drafts)
-        bitmask = verify_bitmask(reqs, drafts, self.vocab_size)  # host work before the forward
-        out = self.target.forward(verify)  # [bs * (S + 1)] rows
-        result = self._accept(reqs, drafts, out.next_token_logits, bitmask)
-        self._commit(reqs, result)
-        next_drafts = self.drafter.draft(redraft_batch(reqs, drafts, result, out.hidden_states))
+        with contextlib.ExitStack() as stack:
+            if fusable and self.captured_round.loading(len(reqs)):
+                # the round runs step by step only until its fused graph is ready: the
+                # separate steps, which only other rounds need, do not join the queue of
+                # compiles ahead of what the traffic will use
+                for runner in (self.target, self.drafter.runner):
+                    stack.enter_context(runner.graph_runner.no_new_compiles())
+            bitmask = verify_bitmask(reqs, drafts, self.vocab_size)  # host work first
+            out = self.target.forward(verify)  # [bs * (S + 1)] rows
+            result = self._accept(reqs, drafts, out.next_token_logits, bitmask)
+            self._commit(reqs, result)
+            redraft = redraft_batch(reqs, drafts, result, out.hidden_states)
+            next_drafts = self.drafter.draft(redraft)
         return self._round_outputs(reqs, drafts, result, out.next_token_logits, next_drafts)
 
-    def _fused_round(self, reqs: Sequence[Req], verify: ModelInput):
-        """The round in one captured graph (`CapturedRound`) where its acceptance is greedy
-        and nothing adjusts the logits; None where it runs as separate steps."""
+    def _fusable(self, reqs: Sequence[Req]) -> bool:
+        """Whether the round runs in one captured graph (`CapturedRound`): its acceptance is
+        greedy and nothing adjusts the logits; otherwise it runs as separate steps."""
         fused = self.captured_round
-        if not fused.enabled() or not fused.serves(reqs, self.eos_ids):
-            return None
-        return fused.run(verify)
+        return fused.enabled() and fused.serves(reqs, self.eos_ids)
 
     def _accept(
         self,

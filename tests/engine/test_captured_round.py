@@ -15,7 +15,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from runtime.execution.graph_runner import GraphRunner
+from runtime import Engine
+from runtime.configs.capture import DISABLE_ENV
+from runtime.execution.graph_runner import GraphRunner, StepState
 from runtime.speculative.acceptance import verify_greedy
 from runtime.speculative.captured_round import CapturedRound
 from runtime.speculative.drafter import MTPDrafter
@@ -109,3 +111,45 @@ def test_fused_round_equals_the_eager_round(family, request):
     assert len(seen) >= 3, seen  # rounds accepted different numbers of drafts
     steps = graph_runners[0].compiled_steps()
     assert steps == [(f"nextn round bs {BUCKET} x {WIDTH} rows", "ready", steps[0][2])]
+
+
+def test_rounds_waiting_for_their_fused_graph_queue_no_step_only_other_rounds_need(
+    request, monkeypatch
+):
+    """While a bucket's fused round compiles in the background, its greedy rounds run step
+    by step eagerly without queueing the separate verify and draft steps (greedy traffic
+    never uses them once the fused graph is ready: they would only delay it); a sampled
+    round, which the fused graph cannot serve, queues them as usual. Compiles are stubbed
+    (queued steps stay compiling); the tokens are plain decoding's either way."""
+    path = str(checkpoint_of("deepseek_v4", request)[0])
+    prompts = [[1, 5, 9, 13, 17, 21, 25], [1, 40, 41, 42, 43, 44, 45, 46, 47]]
+    greedy = {"temperature": 0, "max_new_tokens": 12}
+    common = dict(model_path=path, dtype="float32", page_size=4)
+    plain = Engine(**common, disable_cuda_graph=True)
+    expected = [o["output_ids"] for o in plain.generate(input_ids=prompts, sampling_params=greedy)]
+    monkeypatch.delenv(DISABLE_ENV, raising=False)
+    engine = Engine(
+        **common,
+        speculative_algorithm="NEXTN",
+        speculative_num_steps=STEPS,
+        speculative_disable_by_batch_size="none",
+        cuda_graph_bs=[BUCKET],
+    )
+    queued = []
+    for name, runner in (("target", engine.runner), ("draft", engine.worker.drafter.runner)):
+
+        def schedule(step, name=name):
+            queued.append(f"{name} {step.key.describe()}")
+            step.state = StepState.COMPILING  # as the background thread's queue does
+
+        monkeypatch.setattr(runner.graph_runner, "_schedule", schedule)
+    outs = engine.generate(input_ids=prompts, sampling_params=greedy)
+    assert [o["output_ids"] for o in outs] == expected
+    # the draft's chained steps after each prompt's extend, and the fused round
+    assert sorted(queued) == [
+        f"draft decode bs {BUCKET}",
+        f"target nextn round bs {BUCKET} x 4 rows",
+    ]
+    sampled = {"temperature": 1.0, "sampling_seed": 3, "max_new_tokens": 6}
+    engine.generate(input_ids=prompts[:1], sampling_params=sampled)
+    assert f"target target_verify bs {BUCKET} x {WIDTH} rows" in queued[2:], queued
