@@ -23,6 +23,8 @@ from runtime.cache import PagedTokenAllocator, ReqToTokenPool, SlotTable
 from runtime.configs.capture import DISABLE_ENV, CaptureConfig
 from runtime.configs.model_config import ModelConfig
 from runtime.core.forward_mode import CaptureHiddenMode, ForwardMode
+from runtime.engine.capture_warmup import captured_runners
+from runtime.execution import graph_runner as graph_runner_mod
 from runtime.execution.graph_runner import GraphRunner, StepState, draft_round_function
 from runtime.execution.model_runner import ModelInput, ModelRunner
 from runtime.kernels import grouped_gemm as grouped_gemm_mod
@@ -581,3 +583,38 @@ def test_narrow_copies_follow_the_flag_and_the_dtype(monkeypatch):
     assert not copies(dtype="float32", disable_narrow_weights=True)
     assert not copies(dtype="float32", disable_cuda_graph=True)
     assert not copies(dtype="bfloat16")
+
+
+@pytest.mark.parametrize("family", ["deepseek_v4", "qwen4_exp"])
+def test_guards_of_captured_steps_hold_for_every_batch(family, request, monkeypatch):
+    """Captured calls skip dynamo's guards, except while another thread compiles
+    (`GuardSkipping`), when every call evaluates them: a guard that a later batch fails
+    would then recompile in the serving thread (minutes, mid-traffic). With the guards
+    evaluated on every call and a recompile made an error, NEXTN (greedy rounds fused,
+    sampled ones step by step) and plain engines serve batches of 1 to 4 requests joining
+    and leaving, contexts growing past a padded entry count, with plain decoding's greedy
+    tokens. Dynamo's eager backend stands in for inductor: guards are dynamo's."""
+    import torch._dynamo.config as dynamo_config
+
+    path, _ = checkpoint_of(family, request)
+    prompts = prompts_of((5, 23, 40, 11, 33), seed=5)
+    lengths = [30, 12, 25, 40, 18]
+    common = dict(model_path=str(path), dtype="float32", page_size=4)
+    reference = staggered_generate(Engine(**common, disable_cuda_graph=True), prompts, lengths)
+    compile_ = torch.compile
+    monkeypatch.setattr(
+        torch, "compile", lambda fn, **kw: compile_(fn, backend="eager", dynamic=kw["dynamic"])
+    )
+    monkeypatch.setattr(graph_runner_mod, "guard_skipping", graph_runner_mod.GuardSkipping(False))
+    monkeypatch.setattr(dynamo_config, "error_on_recompile", True)
+    monkeypatch.delenv(DISABLE_ENV, raising=False)
+    nextn = {"speculative_algorithm": "NEXTN", "speculative_disable_by_batch_size": "none"}
+    for spec in ({}, nextn):
+        engine = Engine(**common, cuda_graph_bs=[1, BUCKET], capture_compile="inline", **spec)
+        assert staggered_generate(engine, prompts, lengths) == reference, spec
+        sampled = {"temperature": 1.0, "sampling_seed": 2, "max_new_tokens": 9}
+        engine.generate(input_ids=prompts[:3], sampling_params=sampled)
+        states = [
+            s for r in captured_runners(engine) for _, s, _ in r.graph_runner.compiled_steps()
+        ]
+        assert states and set(states) == {"ready"}, states
