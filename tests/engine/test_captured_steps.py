@@ -618,3 +618,39 @@ def test_guards_of_captured_steps_hold_for_every_batch(family, request, monkeypa
             s for r in captured_runners(engine) for _, s, _ in r.graph_runner.compiled_steps()
         ]
         assert states and set(states) == {"ready"}, states
+
+
+def test_serving_while_steps_compile_in_the_background(request, monkeypatch):
+    """The default mode: each step compiles on a worker thread the first time a batch needs
+    it while the serving thread runs it eagerly, then replays it. No compile fails, every
+    request gets plain decoding's greedy tokens throughout, and greedy rounds end up fused
+    at every bucket. Dynamo's eager backend stands in for inductor."""
+    path, _ = checkpoint_of("deepseek_v4", request)
+    prompts = prompts_of((5, 23, 40, 11), seed=8)
+    lengths = [16, 9, 20, 12]
+    common = dict(model_path=str(path), dtype="float32", page_size=4)
+    reference = staggered_generate(Engine(**common, disable_cuda_graph=True), prompts, lengths)
+    compile_ = torch.compile
+    monkeypatch.setattr(
+        torch, "compile", lambda fn, **kw: compile_(fn, backend="eager", dynamic=kw["dynamic"])
+    )
+    monkeypatch.delenv(DISABLE_ENV, raising=False)
+    engine = Engine(
+        **common,
+        speculative_algorithm="NEXTN",
+        cuda_graph_bs=[1, 2, BUCKET],
+        capture_compile="background",
+    )
+    graph_runners = [r.graph_runner for r in captured_runners(engine)]
+
+    def states():
+        return [(name, state) for g in graph_runners for name, state, _ in g.compiled_steps()]
+
+    for _ in range(3):  # while the steps the batches meet compile
+        assert staggered_generate(engine, prompts, lengths) == reference
+    assert all(g.wait_until_idle(timeout=300) for g in graph_runners)
+    assert staggered_generate(engine, prompts, lengths) == reference  # replaying them
+    assert all(g.wait_until_idle(timeout=300) for g in graph_runners)
+    assert all(state != "failed" for _, state in states()), states()
+    rounds = {name: state for name, state in states() if name.startswith("nextn round")}
+    assert rounds == {f"nextn round bs {b} x 4 rows": "ready" for b in (1, 2, BUCKET)}

@@ -5,12 +5,25 @@ Checked with real `torch.compile` functions (the eager backend: what is checked 
 dynamo's frame handling, not inductor) and two threads ordered by events."""
 
 import threading
+import time
+from types import SimpleNamespace
 
 import pytest
 import torch
 from torch._dynamo.eval_frame import _is_skip_guard_eval_unsafe_stance
 
-from runtime.execution.graph_runner import GuardSkipping, fresh_function
+from runtime.configs.capture import CaptureConfig
+from runtime.core.forward_mode import CaptureHiddenMode, ForwardMode
+from runtime.execution import graph_runner as graph_runner_mod
+from runtime.execution.graph_runner import (
+    LOGITS_ALL,
+    GraphRunner,
+    GuardSkipping,
+    StepKey,
+    StepRecipe,
+    StepState,
+    fresh_function,
+)
 
 
 def compiled(offset: float):
@@ -111,3 +124,55 @@ def test_calls_while_a_compile_runs_evaluate_the_guards_and_never_wait():
     assert stances == [False, True]
     with GuardSkipping(False).call():  # NEXTN_CHECK_GUARDS: always evaluated
         assert not _is_skip_guard_eval_unsafe_stance()
+
+
+def test_a_graph_runner_compile_started_inside_a_captured_call_succeeds(monkeypatch):
+    """The race itself, through `GraphRunner`: the serving thread is inside a captured call
+    of a ready step when the background thread starts compiling another. The compile
+    waits for the call to end and succeeds (it used to fail, and its step ran eagerly
+    until a restart)."""
+    compile_ = torch.compile
+    monkeypatch.setattr(
+        torch, "compile", lambda fn, **kw: compile_(fn, backend="eager", dynamic=kw["dynamic"])
+    )
+    monkeypatch.setattr(graph_runner_mod, "guard_skipping", GuardSkipping(True))
+    pool = SimpleNamespace(pad_req=0, max_context_len=64)
+    runner = SimpleNamespace(
+        device="cpu", slot_table=SimpleNamespace(req_pool=pool), kv_pool=None, call_model=None
+    )
+    graph_runner = GraphRunner(runner, CaptureConfig(batch_sizes=(1,), background=False), 1)
+
+    def recipe(name: str, offset: float) -> tuple[StepKey, StepRecipe]:
+        key = StepKey(
+            ForwardMode.DECODE, 1, 1, CaptureHiddenMode.NULL, LOGITS_ALL, False, 0, recipe=name
+        )
+        return key, StepRecipe(name, lambda x: (x * 2 + offset,), lambda bucket: (torch.ones(3),))
+
+    key, body = recipe("ready", 1.0)
+    ready = graph_runner._step(key, None, body)
+    graph_runner._compile(ready)
+    key, body = recipe("fresh", 2.0)
+    fresh = graph_runner._step(key, None, body)
+    assert ready.state is StepState.READY and fresh.state is StepState.PENDING
+    compiled_fn, inside = ready.fn, threading.Event()
+
+    def held_open(*args):  # the serving thread inside the call, in the stance
+        inside.set()
+        time.sleep(0.3)
+        return compiled_fn(*args)
+
+    ready.fn = held_open
+
+    def call():  # every forward runs in inference mode, as the compile does
+        with torch.inference_mode():
+            return graph_runner._call_compiled(ready, (torch.ones(3),))
+
+    caller, out = run_in_thread(call)
+    assert inside.wait(10) and _is_skip_guard_eval_unsafe_stance()
+    graph_runner._compile(fresh)  # as the background thread does
+    caller.join()
+    assert fresh.state is StepState.READY, fresh.error
+    assert "error" not in out, out
+    assert torch.equal(out["value"][0], torch.full((3,), 3.0))
+    with torch.inference_mode():
+        assert torch.equal(fresh.fn(torch.ones(3))[0], torch.full((3,), 4.0))
