@@ -68,18 +68,20 @@ class GuardSkipping:
     and dynamo refuses to compile under it ("Recompilation triggered with
     skip_guard_eval_unsafe stance"): a background compile that began while the serving
     thread was inside a captured call failed, and its step ran eagerly for good. So a call
-    takes the stance only while no compile runs (otherwise it evaluates the guards), and a
-    compile starts only once no call holds it (a wait of one step at most)."""
+    takes the stance only while no compile runs or waits to (otherwise it evaluates the
+    guards), and a compile starts once no call holds it: a wait of one call at most, since
+    calls stop taking the stance as soon as a compile waits."""
 
     def __init__(self, enabled: bool):
         self.enabled = enabled
         self._lock = threading.Lock()  # held by a call in the stance, or to count compiles
         self._compiles = 0
+        self._waiting = 0  # compiles waiting for the call in the stance to end
 
     @contextlib.contextmanager
     def call(self):
-        # never block the serving thread: if a compile is being counted, evaluate guards
-        if self.enabled and self._lock.acquire(blocking=False):
+        # never block the serving thread: while a compile runs or waits, evaluate guards
+        if self.enabled and not self._waiting and self._lock.acquire(blocking=False):
             try:
                 if not self._compiles:
                     with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
@@ -91,8 +93,13 @@ class GuardSkipping:
 
     @contextlib.contextmanager
     def compiling(self):
-        with self._lock:
-            self._compiles += 1
+        # compiles run one at a time (`_compile_lock`), so one thread at most counts here
+        self._waiting += 1
+        try:
+            with self._lock:
+                self._compiles += 1
+        finally:
+            self._waiting -= 1
         try:
             yield
         finally:

@@ -94,6 +94,9 @@ def test_a_compile_waits_for_the_call_in_the_stance_and_then_succeeds():
     compiler, compiled_out = run_in_thread(compile_fresh)
     compiler.join(0.3)
     assert compiler.is_alive() and not compiled_out  # waiting, not failed
+    # from now until the compile is in, calls evaluate guards rather than take the stance
+    # again (the lock cannot pass from call to call ahead of the waiting compile)
+    assert skipping._waiting == 1
     leave.set()
     holder.join()
     compiler.join()
