@@ -108,6 +108,21 @@ class GuardSkipping:
 
 
 guard_skipping = GuardSkipping(SKIP_GUARDS)
+# the background compile thread's niceness (Linux schedules threads, and the C++ compiler
+# processes they start, by it): where it shares cores with serving, serving comes first
+COMPILE_NICENESS = 10
+
+
+def lower_thread_priority(increment: int) -> None:
+    """Raise the calling thread's niceness by `increment` where the OS schedules threads by
+    it (Linux); elsewhere leave it."""
+    if not increment or not hasattr(os, "setpriority"):
+        return
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + increment)
+    except OSError as err:  # not permitted, or no such scheduling on this platform
+        logger.debug("compile thread keeps its priority: %s", err)
 LOGITS_ALL, LOGITS_PER_REQUEST = "all rows", "one row per request"
 
 
@@ -549,6 +564,7 @@ class GraphRunner:
         self._queue.put(step)
 
     def _compile_loop(self) -> None:
+        lower_thread_priority(COMPILE_NICENESS)
         while True:
             self._compile(self._queue.get())
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -654,3 +656,10 @@ def test_serving_while_steps_compile_in_the_background(request, monkeypatch):
     assert all(state != "failed" for _, state in states()), states()
     rounds = {name: state for name, state in states() if name.startswith("nextn round")}
     assert rounds == {f"nextn round bs {b} x 4 rows": "ready" for b in (1, 2, BUCKET)}
+    if hasattr(os, "getpriority"):  # the compile threads yield to serving
+        mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        capture = [t for t in threading.enumerate() if t.name == "capture"]
+        assert capture
+        for thread in capture:
+            niceness = os.getpriority(os.PRIO_PROCESS, thread.native_id)
+            assert niceness == min(mine + graph_runner_mod.COMPILE_NICENESS, 19)
