@@ -20,16 +20,25 @@ def bucket_for(n: int) -> int | None:
     return next((b for b in BUCKETS if b >= n), None)
 
 
-def drive(policy, batch_size: int, steps: int, round_s: float, plain_s: float, accept: float):
-    """`steps` decode steps at `batch_size`, each in the mode the policy picks; returns the
-    modes (True: a verify round)."""
+def drive(
+    policy,
+    batch_size: int,
+    steps: int,
+    round_s: float,
+    plain_s: float,
+    accept: float,
+    settled=lambda speculated: True,
+):
+    """`steps` decode steps at `batch_size`, each in the mode the policy picks and settled
+    as `settled(speculated)` says; returns the modes (True: a verify round)."""
     modes = []
     for _ in range(steps):
         speculated = policy.speculates(batch_size)
         modes.append(speculated)
         if speculated:
             policy.record_accept(batch_size, accept)
-        policy.record(batch_size, speculated, round_s if speculated else plain_s)
+        seconds = round_s if speculated else plain_s
+        policy.record(batch_size, speculated, seconds, settled=settled(speculated))
     return modes
 
 
@@ -120,19 +129,6 @@ def test_the_losing_mode_is_probed_every_period_and_the_choice_follows_a_change(
     assert policy.describe()["4"]["round_ms"] == 15.0
 
 
-def drive_loading(policy, batch_size, steps, round_s, plain_s, accept, settled):
-    """`drive` with each step's settledness given per mode: `settled(speculated)`."""
-    modes = []
-    for _ in range(steps):
-        speculated = policy.speculates(batch_size)
-        modes.append(speculated)
-        if speculated:
-            policy.record_accept(batch_size, accept)
-        seconds = round_s if speculated else plain_s
-        policy.record(batch_size, speculated, seconds, settled=settled(speculated))
-    return modes
-
-
 def test_steps_beside_a_compile_are_timed_apart_and_decide_until_settled_ones_exist():
     """A bucket whose steps all load in the background: rounds of 300 ms yielding 3 tokens
     against plain steps of 50 ms, none settled. After `warmup` rounds the probe of plain
@@ -142,12 +138,12 @@ def test_steps_beside_a_compile_are_timed_apart_and_decide_until_settled_ones_ex
     ones (3 x 50 >= 1.15 x 20: speculation resumes), and the next probe's settled plain
     steps of 10 ms replace theirs and keep it (3 x 10 >= 1.15 x 20)."""
     policy = MeasuredSpeculation(bucket_for, warmup=3, probe=2, period=6)
-    loading = drive_loading(policy, 4, 11, 0.300, 0.050, 3.0, settled=lambda s: False)
+    loading = drive(policy, 4, 11, 0.300, 0.050, 3.0, settled=lambda s: False)
     assert loading == [True] * 3 + [False] * 8
     described = policy.describe()["4"]
     assert described["round_ms"] is None and described["plain_ms"] is None
     assert (described["loading_round_ms"], described["loading_plain_ms"]) == (300.0, 50.0)
-    ready = drive_loading(policy, 4, 12, 0.020, 0.010, 3.0, settled=lambda s: True)
+    ready = drive(policy, 4, 12, 0.020, 0.010, 3.0, settled=lambda s: True)
     assert ready == [True] * 8 + [False] * 2 + [True] * 2
     assert (policy.describe()["4"]["round_ms"], policy.describe()["4"]["plain_ms"]) == (20, 10)
 
@@ -156,7 +152,7 @@ def test_a_settled_mode_replaces_its_loading_time_the_other_keeps_its_own():
     """Only the rounds' bucket still loads: settled plain steps of 12 ms against rounds
     timed at 40 ms beside the compile decode plainly (3 x 12 < 1.15 x 40)."""
     policy = MeasuredSpeculation(bucket_for, warmup=2, probe=2, period=100)
-    modes = drive_loading(policy, 16, 8, 0.040, 0.012, 3.0, settled=lambda s: not s)
+    modes = drive(policy, 16, 8, 0.040, 0.012, 3.0, settled=lambda s: not s)
     assert modes == [True] * 2 + [False] * 6
     costs = policy.buckets[16]
     assert costs.round.samples == 0 and costs.loading_round.samples == 2
