@@ -123,6 +123,8 @@ def lower_thread_priority(increment: int) -> None:
         os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + increment)
     except OSError as err:  # not permitted, or no such scheduling on this platform
         logger.debug("compile thread keeps its priority: %s", err)
+
+
 LOGITS_ALL, LOGITS_PER_REQUEST = "all rows", "one row per request"
 
 

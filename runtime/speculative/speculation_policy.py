@@ -105,7 +105,7 @@ class BucketCosts:
     loading_round: RecentCost = field(default_factory=RecentCost)
     loading_plain: RecentCost = field(default_factory=RecentCost)
     calibrated: tuple[float, float] | None = None  # (round, plain) seconds before the traffic
-    since_probe: int = 0  # settled steps since the last probe ended (or since the first one)
+    since_probe: int = 0  # steps since the last probe ended (or since the first one)
     probe_left: int = 0  # steps of `probe_speculates` still to run
     probe_speculates: bool = False
     period: int = 0  # steps between probes now (0: no probe has started here yet)
@@ -180,9 +180,10 @@ class MeasuredSpeculation:
         hysteresis too where the bucket decodes plainly now (True until both modes, or the
         bucket's calibration, and the accept length over at least `warmup` request-rounds
         are measured)."""
-        round_s = _newest_seconds(costs.round, costs.loading_round)
-        plain_s = _newest_seconds(costs.plain, costs.loading_plain)
-        if costs.calibrated is not None:
+        if costs.calibrated is None:
+            round_s = _newest_seconds(costs.round, costs.loading_round)
+            plain_s = _newest_seconds(costs.plain, costs.loading_plain)
+        else:
             round_s, plain_s = costs.round.seconds, costs.plain.seconds
             # the traffic's steps cost more than the calibration's by about as much in either
             # mode (a server's scheduling and streaming are per step, not per row): a mode
@@ -235,8 +236,7 @@ class MeasuredSpeculation:
                 costs.since_probe = 0
             return
         costs.since_probe += 1
-        # the first probe comes after `warmup` rounds, the others (and a retry of one a
-        # compile cut short) a period after the last
+        # the first probe comes after `warmup` rounds, the others a period after the last
         if costs.since_probe >= (costs.period or self.warmup):
             costs.probe_speculates = not self.speculation_pays(costs)
             costs.probe_left, costs.since_probe = self.probe, 0
