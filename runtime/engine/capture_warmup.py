@@ -12,14 +12,13 @@ With a measured speculation policy each bucket's decode modes are then timed
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from collections.abc import Callable
 
 from runtime.core.forward_mode import ForwardMode
 from runtime.engine.speculation_calibration import calibrate_speculation
-from runtime.execution.graph_runner import StepKey
+from runtime.execution.graph_runner import StepKey, no_new_compiles
 from runtime.speculative.speculation_policy import FixedLimit
 
 logger = logging.getLogger(__name__)
@@ -82,9 +81,7 @@ def warm_up(engine, num_tokens: int = 8, sampled: bool = True) -> None:
         graph_runners = [r.graph_runner for r in captured_runners(engine)]
         try:
             worker.policy = FixedLimit(1)
-            with contextlib.ExitStack() as stack:
-                for g in graph_runners:
-                    stack.enter_context(g.no_new_compiles())
+            with no_new_compiles(graph_runners):
                 engine.generate(input_ids=prompt, sampling_params=params)
         finally:
             worker.policy = policy

@@ -697,6 +697,15 @@ class GraphRunner:
         return [(s.key.describe(), s.state.value, s.seconds) for s in self._steps.values()]
 
 
+@contextlib.contextmanager
+def no_new_compiles(graph_runners):
+    """`GraphRunner.no_new_compiles` on each of `graph_runners` at once."""
+    with contextlib.ExitStack() as stack:
+        for graph_runner in graph_runners:
+            stack.enter_context(graph_runner.no_new_compiles())
+        yield
+
+
 def logits_rows_of(inp, rows_per_req: int) -> list[int] | None:
     """The rows `inp` wants logits for (None: all)."""
     rows = inp.logits_row_indices

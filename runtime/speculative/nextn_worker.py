@@ -53,6 +53,7 @@ from runtime.constrained import bitmask as grammar_bitmask
 from runtime.core.forward_mode import CaptureHiddenMode, ForwardMode
 from runtime.core.request import OwedDraftRows, Req
 from runtime.core.step_io import Chunk, TokenOutput, chunk_budget
+from runtime.execution.graph_runner import no_new_compiles
 from runtime.execution.model_runner import ModelInput, ModelRunner
 from runtime.execution.penalties import RowHistory, adjust_logits
 from runtime.execution.sampler import SamplingBatch
@@ -400,19 +401,18 @@ class NextNWorker:
         if fused is not None:
             self._commit(reqs, fused.result)
             return self._round_outputs(reqs, drafts, fused.result, fused.logits, fused.next_drafts)
-        with contextlib.ExitStack() as stack:
-            if fusable and self.captured_round.loading(len(reqs)):
-                # the round runs step by step only until its fused graph is ready: the
-                # separate steps, which only other rounds need, do not join the queue of
-                # compiles ahead of what the traffic will use
-                for runner in (self.target, self.drafter.runner):
-                    stack.enter_context(runner.graph_runner.no_new_compiles())
+        compiles = contextlib.nullcontext()
+        if fusable and self.captured_round.loading(len(reqs)):
+            # the round runs step by step only until its fused graph is ready: the separate
+            # steps, which only other rounds need, do not join the queue of compiles ahead
+            # of what the traffic will use
+            compiles = no_new_compiles(r.graph_runner for r in (self.target, self.drafter.runner))
+        with compiles:
             bitmask = verify_bitmask(reqs, drafts, self.vocab_size)  # host work first
             out = self.target.forward(verify)  # [bs * (S + 1)] rows
             result = self._accept(reqs, drafts, out.next_token_logits, bitmask)
             self._commit(reqs, result)
-            redraft = redraft_batch(reqs, drafts, result, out.hidden_states)
-            next_drafts = self.drafter.draft(redraft)
+            next_drafts = self.drafter.draft(redraft_batch(reqs, drafts, result, out.hidden_states))
         return self._round_outputs(reqs, drafts, result, out.next_token_logits, next_drafts)
 
     def _fusable(self, reqs: Sequence[Req]) -> bool:
