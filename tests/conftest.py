@@ -34,3 +34,13 @@ def tiny_v4_hc2(tmp_path_factory):
     return build_tiny_v4_checkpoint(
         tmp_path_factory.mktemp("tiny_v4_hc2"), seed=1, num_shards=3, hc_mult=2
     )
+
+
+@pytest.fixture
+def eager_dynamo(monkeypatch):
+    """`torch.compile` traces with dynamo but runs its graphs eagerly (backend "eager"):
+    guards, recompiles and compile threads behave as with inductor, in seconds."""
+    compile_ = torch.compile
+    monkeypatch.setattr(
+        torch, "compile", lambda fn, **kw: compile_(fn, backend="eager", dynamic=kw["dynamic"])
+    )

@@ -591,7 +591,7 @@ def test_narrow_copies_follow_the_flag_and_the_dtype(monkeypatch):
 @pytest.mark.parametrize(
     "family", ["deepseek_v4", pytest.param("qwen4_exp", marks=pytest.mark.slow)]
 )
-def test_guards_of_captured_steps_hold_for_every_batch(family, request, monkeypatch):
+def test_guards_of_captured_steps_hold_for_every_batch(family, request, monkeypatch, eager_dynamo):
     """Captured calls skip dynamo's guards, except while another thread compiles
     (`GuardSkipping`), when every call evaluates them: a guard that a later batch fails
     would then recompile in the serving thread (minutes, mid-traffic). With the guards
@@ -606,10 +606,6 @@ def test_guards_of_captured_steps_hold_for_every_batch(family, request, monkeypa
     lengths = [30, 12, 25, 40, 18]
     common = dict(model_path=str(path), dtype="float32", page_size=4)
     reference = staggered_generate(Engine(**common, disable_cuda_graph=True), prompts, lengths)
-    compile_ = torch.compile
-    monkeypatch.setattr(
-        torch, "compile", lambda fn, **kw: compile_(fn, backend="eager", dynamic=kw["dynamic"])
-    )
     monkeypatch.setattr(graph_runner_mod, "guard_skipping", graph_runner_mod.GuardSkipping(False))
     monkeypatch.setattr(dynamo_config, "error_on_recompile", True)
     monkeypatch.delenv(DISABLE_ENV, raising=False)
@@ -625,7 +621,7 @@ def test_guards_of_captured_steps_hold_for_every_batch(family, request, monkeypa
         assert states and set(states) == {"ready"}, states
 
 
-def test_serving_while_steps_compile_in_the_background(request, monkeypatch):
+def test_serving_while_steps_compile_in_the_background(request, monkeypatch, eager_dynamo):
     """The default mode: each step compiles on a worker thread the first time a batch needs
     it while the serving thread runs it eagerly, then replays it. No compile fails, every
     request gets plain decoding's greedy tokens throughout, and greedy rounds end up fused
@@ -635,10 +631,6 @@ def test_serving_while_steps_compile_in_the_background(request, monkeypatch):
     lengths = [16, 9, 20, 12]
     common = dict(model_path=str(path), dtype="float32", page_size=4)
     reference = staggered_generate(Engine(**common, disable_cuda_graph=True), prompts, lengths)
-    compile_ = torch.compile
-    monkeypatch.setattr(
-        torch, "compile", lambda fn, **kw: compile_(fn, backend="eager", dynamic=kw["dynamic"])
-    )
     monkeypatch.delenv(DISABLE_ENV, raising=False)
     engine = Engine(
         **common,

@@ -129,15 +129,11 @@ def test_calls_while_a_compile_runs_evaluate_the_guards_and_never_wait():
         assert not _is_skip_guard_eval_unsafe_stance()
 
 
-def test_a_graph_runner_compile_started_inside_a_captured_call_succeeds(monkeypatch):
+def test_a_graph_runner_compile_started_inside_a_captured_call_succeeds(monkeypatch, eager_dynamo):
     """The race itself, through `GraphRunner`: the serving thread is inside a captured call
     of a ready step when the background thread starts compiling another. The compile
     waits for the call to end and succeeds (it used to fail, and its step ran eagerly
     until a restart)."""
-    compile_ = torch.compile
-    monkeypatch.setattr(
-        torch, "compile", lambda fn, **kw: compile_(fn, backend="eager", dynamic=kw["dynamic"])
-    )
     monkeypatch.setattr(graph_runner_mod, "guard_skipping", GuardSkipping(True))
     pool = SimpleNamespace(pad_req=0, max_context_len=64)
     runner = SimpleNamespace(
