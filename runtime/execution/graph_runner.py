@@ -35,7 +35,6 @@ import dataclasses
 import enum
 import logging
 import os
-import queue
 import threading
 import time
 import types
@@ -49,6 +48,7 @@ from runtime.core.forward_context import ForwardContext
 from runtime.core.forward_mode import CaptureHiddenMode, ForwardMode
 from runtime.core.model_output import LogitsProcessorOutput
 from runtime.distributed.replica import patient_collectives
+from runtime.execution.compile_worker import CompileWorker
 from runtime.layers import hyper_connection
 
 logger = logging.getLogger(__name__)
@@ -108,22 +108,6 @@ class GuardSkipping:
 
 
 guard_skipping = GuardSkipping(SKIP_GUARDS)
-# the background compile thread's niceness (Linux schedules threads, and the C++ compiler
-# processes they start, by it): where it shares cores with serving, serving comes first
-COMPILE_NICENESS = 10
-
-
-def lower_thread_priority(increment: int) -> None:
-    """Raise the calling thread's niceness by `increment` where the OS schedules threads by
-    it (Linux); elsewhere leave it."""
-    if not increment or not hasattr(os, "setpriority"):
-        return
-    try:
-        tid = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + increment)
-    except OSError as err:  # not permitted, or no such scheduling on this platform
-        logger.debug("compile thread keeps its priority: %s", err)
-
 
 LOGITS_ALL, LOGITS_PER_REQUEST = "all rows", "one row per request"
 
@@ -212,7 +196,7 @@ class GraphRunner:
         self.max_context = runner.slot_table.req_pool.max_context_len
         self._steps: dict[StepKey, CapturedStep] = {}
         self._lock = threading.Lock()
-        self._queue: queue.Queue[CapturedStep] | None = None
+        self._worker: CompileWorker[CapturedStep] | None = None
         self._graph_pool = None  # CUDA: the memory pool the graphs share
         # False once start-up compiled every step a batch can meet: a step met later (a kind
         # the warm-up did not run) pads into a larger ready bucket or runs eagerly rather
@@ -560,15 +544,9 @@ class GraphRunner:
             if step.state is not StepState.PENDING:
                 return
             step.state = StepState.COMPILING
-            if self._queue is None:
-                self._queue = queue.Queue()
-                threading.Thread(target=self._compile_loop, name="capture", daemon=True).start()
-        self._queue.put(step)
-
-    def _compile_loop(self) -> None:
-        lower_thread_priority(COMPILE_NICENESS)
-        while True:
-            self._compile(self._queue.get())
+            if self._worker is None:
+                self._worker = CompileWorker(self._compile)
+        self._worker.put(step)
 
     def _compile(self, step: CapturedStep) -> None:
         """Capture `step` on a batch made only of padding rows (it writes only padding rows

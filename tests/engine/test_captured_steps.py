@@ -26,6 +26,7 @@ from runtime.configs.capture import DISABLE_ENV, CaptureConfig
 from runtime.configs.model_config import ModelConfig
 from runtime.core.forward_mode import CaptureHiddenMode, ForwardMode
 from runtime.engine.capture_warmup import captured_runners
+from runtime.execution import compile_worker
 from runtime.execution import graph_runner as graph_runner_mod
 from runtime.execution.graph_runner import GraphRunner, StepState, draft_round_function
 from runtime.execution.model_runner import ModelInput, ModelRunner
@@ -484,7 +485,7 @@ def test_cuda_runner_records_inline_and_warns_about_compiling_on_first_use(caplo
     recorded = []
     plain._compile = recorded.append  # what `_schedule` does with a pending step
     plain._schedule("step")
-    assert recorded == ["step"] and plain._queue is None  # no worker thread
+    assert recorded == ["step"] and plain._worker is None  # no worker thread
     with caplog.at_level("WARNING", logger="runtime.execution.graph_runner"):
         compiled = GraphRunner(runner, CaptureConfig(batch_sizes=(1,), torch_compile=True), 4)
     assert "torch.compile + CUDA graphs" in compiled.describe()
@@ -657,4 +658,4 @@ def test_serving_while_steps_compile_in_the_background(request, monkeypatch, eag
         assert capture
         for thread in capture:
             niceness = os.getpriority(os.PRIO_PROCESS, thread.native_id)
-            assert niceness == min(mine + graph_runner_mod.COMPILE_NICENESS, 19)
+            assert niceness == min(mine + compile_worker.COMPILE_NICENESS, 19)

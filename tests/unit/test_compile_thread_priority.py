@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from runtime.execution.graph_runner import COMPILE_NICENESS, lower_thread_priority
+from runtime.execution.compile_worker import COMPILE_NICENESS, lower_thread_priority
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "setpriority"), reason="no thread niceness")
 
