@@ -440,7 +440,9 @@ class Engine:
         if input_ids is not None:
             prompts = input_ids if batched else [input_ids]
         else:
-            prompts = [self.tokenize(p) for p in (prompt if batched else [prompt])]
+            texts = prompt if batched else [prompt]
+            names = [f"prompt[{i}]" for i in range(len(texts))] if batched else ["prompt"]
+            prompts = [self.tokenize(p, name) for p, name in zip(texts, names)]
         params = (
             sampling_params
             if isinstance(sampling_params, list)

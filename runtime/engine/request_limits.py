@@ -46,6 +46,12 @@ class RequestLimits:
     max_text_chars: int | None = None  # None: no tokenizer, no text prompts
 
     def check_text(self, text: str, param: str = "text") -> None:
+        if not isinstance(text, str):
+            raise InvalidRequestError(
+                f"'{param}' must be a string (token ids go in input_ids), got "
+                f"{type(text).__name__}",
+                param=param,
+            )
         check_unicode(text, param)
         if self.max_text_chars is not None and len(text) > self.max_text_chars:
             raise InvalidRequestError(

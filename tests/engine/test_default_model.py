@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from runtime import Engine
+from runtime.core.errors import InvalidRequestError
 from runtime.engine.engine import DEFAULT_MODEL_DIR
 
 # Measured 2.69 over 20 held-out prompts x 64 tokens (see the model card); this run is
@@ -73,3 +74,16 @@ def test_transformers_greedy_equals_ours_on_the_shipped_model(nextn_engine):
         params = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
         assert plain.generate(input_ids=ids, sampling_params=params)["output_ids"] == ref
         assert nextn_engine.generate(input_ids=ids, sampling_params=params)["output_ids"] == ref
+
+
+@pytest.mark.parametrize(
+    ("prompt", "param"),
+    [([5, 6, 7], "prompt[0]"), (5, "prompt"), (["def f():", 5], "prompt[1]"), ({"a": 1}, "prompt")],
+)
+def test_generate_refuses_prompts_that_are_not_text_naming_the_entry(nextn_engine, prompt, param):
+    """`prompt` takes text (one string or a list); anything else is the caller's error,
+    named, not an AttributeError from inside the tokenizer's checks."""
+    with pytest.raises(InvalidRequestError, match="must be a string") as err:
+        nextn_engine.generate(prompt=prompt, sampling_params={"max_new_tokens": 2})
+    assert err.value.param == param
+    assert not nextn_engine.has_work()
