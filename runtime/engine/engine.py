@@ -277,6 +277,12 @@ class Engine:
             raise InvalidRequestError(
                 "stop strings need a tokenizer; use stop_token_ids", param="stop"
             )
+        for name, flag in (
+            ("return_logprob", return_logprob),
+            ("return_text_in_logprobs", return_text_in_logprobs),
+        ):
+            if not isinstance(flag, bool):
+                raise InvalidRequestError(f"{name} must be true or false, got {flag!r}", param=name)
         if (
             isinstance(top_logprobs_num, bool)
             or not isinstance(top_logprobs_num, int)

@@ -505,4 +505,6 @@ def chat_requests(body: ChatCompletionRequest, engine: Engine) -> list[Req]:
     if top and not body.logprobs:
         raise InvalidRequestError("top_logprobs needs logprobs: true", param="top_logprobs")
     params = body.sampling_params(_max_tokens(requested, len(ids), engine))
-    return engine.make_requests(ids, params, return_logprob=body.logprobs, top_logprobs_num=top)
+    return engine.make_requests(
+        ids, params, return_logprob=bool(body.logprobs), top_logprobs_num=top
+    )

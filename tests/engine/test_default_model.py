@@ -87,3 +87,11 @@ def test_generate_refuses_prompts_that_are_not_text_naming_the_entry(nextn_engin
         nextn_engine.generate(prompt=prompt, sampling_params={"max_new_tokens": 2})
     assert err.value.param == param
     assert not nextn_engine.has_work()
+
+
+@pytest.mark.parametrize("flag", ["return_logprob", "return_text_in_logprobs"])
+@pytest.mark.parametrize("value", ["yes", 1, None])
+def test_generate_refuses_logprob_flags_that_are_not_booleans(nextn_engine, flag, value):
+    with pytest.raises(InvalidRequestError, match="must be true or false") as err:
+        nextn_engine.generate("x = 1", {"max_new_tokens": 2}, **{flag: value})
+    assert err.value.param == flag
