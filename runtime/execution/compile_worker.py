@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import inspect
 import logging
 import os
 import queue
@@ -70,12 +71,23 @@ def raise_in_thread(thread: threading.Thread, exc_type: type[BaseException]) -> 
 
 class CompileWorker(Generic[Item]):
     """A daemon thread that runs `compile_fn` on each item put to it, in order, at lower
-    priority (`COMPILE_NICENESS`), and stops cleanly when the process exits."""
+    priority (`COMPILE_NICENESS`), and stops cleanly when the process exits.
+
+    A bound `compile_fn` is held weakly and its object's collection stops the worker: the
+    thread would otherwise keep a dropped engine's graph runner, and with it the model and
+    its caches, alive for the rest of the process. So no reference to the owner outlives a
+    compile in the thread (the items queued and not compiled yet hold theirs)."""
 
     def __init__(self, compile_fn: Callable[[Item], None], name: str = "capture"):
-        self._compile_fn = compile_fn
+        if inspect.ismethod(compile_fn):
+            self._compile_fn: Callable[[], Callable | None] = weakref.WeakMethod(compile_fn)
+            weakref.finalize(compile_fn.__self__, self.stop)
+        else:
+            self._compile_fn = lambda: compile_fn
         self._queue: queue.Queue = queue.Queue()
-        self._lock = threading.Lock()  # orders `busy` against `stop`
+        # orders `busy` against `stop`; re-entrant because a collection of the owner can
+        # run `stop` in this worker's own thread
+        self._lock = threading.RLock()
         self._busy = self._stopping = False
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         _register(self)
@@ -93,14 +105,17 @@ class CompileWorker(Generic[Item]):
                         return
                     self._busy = True
                 try:
-                    self._compile_fn(item)
+                    if (compile_fn := self._compile_fn()) is None:
+                        return  # the owner is gone
+                    compile_fn(item)
                 except Exception:  # the steps queued after it still compile
                     logger.exception("background compile failed")
                 finally:
+                    compile_fn = item = None  # nothing of the owner's while idle
                     with self._lock:
                         self._busy = False
         except CompileAbandoned:
-            logger.info("background compile stopped: the process exits")
+            logger.info("background compile stopped")
 
     def stop(self) -> None:
         """Take no further item, and interrupt the one in flight."""

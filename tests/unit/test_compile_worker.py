@@ -9,17 +9,19 @@ that from a plain daemon thread, and exits cleanly from a worker."""
 
 from __future__ import annotations
 
+import gc
 import signal
 import subprocess
 import sys
 import textwrap
 import threading
 import time
+import weakref
 from pathlib import Path
 
 import pytest
 
-from runtime.execution.compile_worker import CompileWorker, stop_all
+from runtime.execution.compile_worker import CompileWorker
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -92,9 +94,9 @@ def test_stop_interrupts_the_compile_in_flight_and_drops_the_queue():
     for item in (1, 2, 3):
         worker.put(item)
     assert started.wait(10)
-    assert stop_all(timeout=10)
+    worker.stop()
+    assert worker.join(10)
     assert ran == [1] and ended == [1]  # interrupted, and nothing queued after it ran
-    assert worker.join(0)  # stop_all joined it
 
 
 def test_an_idle_worker_stops_and_a_stopped_one_takes_nothing():
@@ -129,4 +131,31 @@ def test_a_failing_compile_leaves_the_worker_serving():
         time.sleep(0.01)
     assert ran == ["bad", "good"]
     worker.stop()
+    assert worker.join(10)
+
+
+class Owner:
+    """Stands in for a graph runner: its bound method is what the worker compiles with."""
+
+    def __init__(self):
+        self.compiled = []
+
+    def compile(self, item):
+        self.compiled.append(item)
+
+
+def test_a_dropped_owner_is_collected_and_its_worker_ends():
+    """The worker holds its owner weakly: a dropped engine's graph runner (and so its model
+    and caches) is freed, and the thread ends, instead of living as long as the process."""
+    owner = Owner()
+    worker = CompileWorker(owner.compile)
+    worker.put("step")
+    deadline = time.monotonic() + 10
+    while not owner.compiled and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert owner.compiled == ["step"]
+    alive = weakref.ref(owner)
+    del owner
+    gc.collect()
+    assert alive() is None
     assert worker.join(10)
