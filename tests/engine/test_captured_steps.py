@@ -406,14 +406,17 @@ def test_captured_draft_round_matches_eager_drafter(family, request):
 GREEDY = {"temperature": 0, "ignore_eos": True}
 
 
-def staggered_generate(engine, prompts, lengths):
-    """Requests join while others run and leave at different times (different lengths)."""
+def staggered_generate(engine, prompts, lengths, waits=None):
+    """Requests join while others run and leave at different times (different lengths):
+    request i is followed by `waits[i]` steps (default `i % 3`) before the next joins."""
+    waits = [i % 3 for i in range(len(prompts))] if waits is None else waits
     reqs = []
-    for i, (ids, n) in enumerate(zip(prompts, lengths)):
+    for ids, n, wait in zip(prompts, lengths, waits):
         reqs.append(engine.make_request(ids, {**GREEDY, "max_new_tokens": n}))
         engine.add_request(reqs[-1])
-        for _ in range(i % 3):
-            engine.step()
+        for _ in range(wait):
+            if engine.has_work():
+                engine.step()
     while engine.has_work():
         engine.step()
     return [list(r.output_ids) for r in reqs]

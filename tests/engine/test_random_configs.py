@@ -21,6 +21,7 @@ import torch
 
 from runtime import Engine
 from runtime.configs.capture import DISABLE_ENV
+from tests.engine.test_captured_steps import staggered_generate
 from tests.engine.test_engine import hf_greedy
 from tests.tiny_checkpoints import (
     build_tiny_qwen4_exp_mtp_checkpoint,
@@ -28,8 +29,6 @@ from tests.tiny_checkpoints import (
 )
 
 pytestmark = pytest.mark.slow
-
-GREEDY = {"temperature": 0, "ignore_eos": True}
 
 
 def v4_overrides(r: random.Random) -> dict:
@@ -120,20 +119,6 @@ FAMILIES = {
 }
 
 
-def staggered(engine: Engine, prompts, lengths, waits) -> list[list[int]]:
-    """Request i joins after `waits[i]` steps of the ones before it."""
-    reqs = []
-    for ids, n, wait in zip(prompts, lengths, waits):
-        reqs.append(engine.make_request(ids, {**GREEDY, "max_new_tokens": n}))
-        engine.add_request(reqs[-1])
-        for _ in range(wait):
-            if engine.has_work():
-                engine.step()
-    while engine.has_work():
-        engine.step()
-    return [list(r.output_ids) for r in reqs]
-
-
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_random_configs_serve_transformers_greedy_tokens(
@@ -180,4 +165,5 @@ def test_random_configs_serve_transformers_greedy_tokens(
     }
     for name, settings in variants.items():
         engine = Engine(**common, **settings)
-        assert staggered(engine, prompts, lengths, waits) == expected, (name, config, settings)
+        outputs = staggered_generate(engine, prompts, lengths, waits)
+        assert outputs == expected, (name, config, settings)
