@@ -59,14 +59,11 @@ def lower_thread_priority(increment: int) -> None:
         logger.debug("compile thread keeps its priority: %s", err)
 
 
-def raise_in_thread(thread: threading.Thread, exc_type: type[BaseException]) -> bool:
-    """Schedule `exc_type` in `thread` (raised at its next bytecode); False if it has ended."""
-    if thread.ident is None:
-        return False
-    done = ctypes.pythonapi.PyThreadState_SetAsyncExc(
+def raise_in_thread(thread: threading.Thread, exc_type: type[BaseException]) -> None:
+    """Schedule `exc_type` in the started `thread`, raised at its next bytecode."""
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(
         ctypes.c_ulong(thread.ident), ctypes.py_object(exc_type)
     )
-    return done == 1
 
 
 class CompileWorker(Generic[Item]):
@@ -147,8 +144,8 @@ def _register(worker: CompileWorker) -> None:
         _registered = True
 
 
-def stop_all(timeout: float = EXIT_WAIT_S) -> bool:
-    """Stop every live worker and wait up to `timeout` seconds for all; True if all ended."""
+def stop_all(timeout: float = EXIT_WAIT_S) -> None:
+    """Stop every live worker and wait up to `timeout` seconds for all."""
     workers = list(_workers)
     for worker in workers:
         worker.stop()
@@ -160,5 +157,4 @@ def stop_all(timeout: float = EXIT_WAIT_S) -> bool:
             noticed = True
         if not worker.join(max(0.0, deadline - time.monotonic())):
             logger.warning("a background compile did not stop; the exit may abort")
-            return False
-    return True
+            return
