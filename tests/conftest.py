@@ -39,7 +39,11 @@ def tiny_v4_hc2(tmp_path_factory):
 @pytest.fixture
 def eager_dynamo(monkeypatch):
     """`torch.compile` traces with dynamo but runs its graphs eagerly (backend "eager"):
-    guards, recompiles and compile threads behave as with inductor, in seconds."""
+    guards, recompiles and compile threads behave as with inductor, in seconds. Steps are
+    `torch.compile`d functions, not precompiled ones (only inductor's output can be saved)."""
+    from runtime.execution import graph_runner
+
+    monkeypatch.setattr(graph_runner, "PRECOMPILE", False)
     compile_ = torch.compile
     monkeypatch.setattr(
         torch, "compile", lambda fn, **kw: compile_(fn, backend="eager", dynamic=kw["dynamic"])

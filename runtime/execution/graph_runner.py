@@ -23,9 +23,13 @@ runs eagerly (`CaptureConfig.background`, CPU), or in the calling thread (always
 graphs, which record in seconds, and cannot record beside another thread's synchronising
 calls; they share one memory pool). Each (kind, bucket)
 gets a code object of its own, so its dynamo cache holds exactly one graph and the guards
-need not be evaluated on every call (they are while another thread compiles:
-`GuardSkipping`). Compiled artifacts persist in inductor's FX graph and
-AOT autograd caches under the runtime cache directory, so a second start only re-traces.
+need not be evaluated on every call. On CPU each step is precompiled whole (torch's AOT
+precompile) and saved under the runtime cache directory (`step_store`): a second start loads
+it in seconds without tracing, and its calls bypass dynamo's frame evaluation. Where a step
+cannot be precompiled (or `NEXTN_CHECK_GUARDS` asks for guards) it is a `torch.compile`d
+function whose guards are skipped on captured calls, and evaluated while another thread
+compiles (`GuardSkipping`); its compiled artifacts persist in inductor's FX graph and AOT
+autograd caches, so a second start re-traces it.
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ from runtime.core.forward_mode import CaptureHiddenMode, ForwardMode
 from runtime.core.model_output import LogitsProcessorOutput
 from runtime.distributed.replica import patient_collectives
 from runtime.execution.compile_worker import CompileWorker
+from runtime.execution.step_store import StepStore, fingerprint, outputs_match, precompile
 from runtime.layers import hyper_connection
 
 logger = logging.getLogger(__name__)
@@ -60,6 +65,9 @@ ENTRY_MULTIPLE = 16  # compressed-entry counts are padded to this (CPU: a dynami
 CPU_INDUCTOR_OPTIONS = {"cpp_wrapper": True}
 _compile_lock = threading.Lock()
 SKIP_GUARDS = os.environ.get("NEXTN_CHECK_GUARDS") is None
+# CPU steps are precompiled and kept on disk (`step_store`); with guards checked they are
+# `torch.compile`d functions instead, whose guards dynamo evaluates
+PRECOMPILE = SKIP_GUARDS
 
 
 class GuardSkipping:
@@ -165,6 +173,9 @@ class CapturedStep:
     error: str | None = None
     hidden_like: torch.Tensor | None = None  # a [0, D] tensor: the draft's hidden input
     graph: object = None  # CUDA: (graph, static inputs, static outputs)
+    # `fn` is a precompiled step, called without dynamo's frame evaluation (`step_store`)
+    precompiled: bool = False
+    loaded: bool = False  # the precompiled step came from disk
 
 
 def fresh_function(fn: Callable, name: str) -> Callable:
@@ -205,8 +216,13 @@ class GraphRunner:
         # steps that met their own bucket not yet ready (compiling, or about to): their time
         # says nothing about the captured step's (a measured speculation policy skips them)
         self.unsettled_runs = 0
+        # CPU: steps precompiled and kept on disk, unless a replica's ranks compile together
+        # (their graphs hold collectives) or guards are wanted
+        self._store: StepStore | None = None
         if not self.cuda:
             configure_compiler(config)
+            if PRECOMPILE and not torch.distributed.is_initialized():
+                self._store = StepStore(config.resolved_cache_dir() / "steps")
         elif config.torch_compile and config.background:
             logger.warning(
                 "--enable-torch-compile on CUDA: each step compiles (about a minute) in the "
@@ -481,6 +497,8 @@ class GraphRunner:
 
     @staticmethod
     def _call_compiled(step: CapturedStep, args: tuple):
+        if step.precompiled:
+            return step.fn(*args)
         mark_dynamic_dims(args)
         with guard_skipping.call():
             return step.fn(*args)
@@ -517,8 +535,8 @@ class GraphRunner:
         else:
             body = step
         fn = fresh_function(body, name)
-        if self.cuda and not self.config.torch_compile:
-            return fn
+        if (self.cuda and not self.config.torch_compile) or self._store is not None:
+            return fn  # recorded, or precompiled, by `_compile`
         # inductor's default mode on CUDA too: the gain is fusing the step's thousands of
         # small kernels, and max-autotune's GEMM search costs minutes per bucket
         return torch.compile(fn, dynamic=False, options=self._options() or None)
@@ -565,6 +583,8 @@ class GraphRunner:
                 args = self._padding_args(step)
                 if self.cuda:
                     self._capture_cuda_graph(step, args)
+                elif self._store is not None:
+                    self._precompile(step, args)
                 else:
                     mark_dynamic_dims(args)
                     step.fn(*args)
@@ -574,7 +594,35 @@ class GraphRunner:
             return
         step.seconds = time.perf_counter() - start
         step.state = StepState.READY
-        logger.info("captured %s in %.1f s", step.key.describe(), step.seconds)
+        how = "loaded" if step.loaded else "captured"
+        logger.info("%s %s in %.1f s", how, step.key.describe(), step.seconds)
+
+    def _precompile(self, step: CapturedStep, args: tuple) -> None:
+        """Load `step` from the step store, or precompile it and save it there; a step that
+        cannot be precompiled is compiled by `torch.compile` instead."""
+        fn, options = step.fn, self._options()
+        mark_dynamic_dims(args)
+        path = self._store.path(fn.__name__, fingerprint(fn, args, options, step.key.describe()))
+        loaded = self._store.load(path, fn)
+        if loaded is not None:
+            if outputs_match(loaded(*args), fn(*args)):
+                step.fn, step.precompiled, step.loaded = loaded, True, True
+                return
+            logger.warning("the stored %s differs from the eager step; compiling it", path.name)
+        try:
+            compiled = precompile(fn, args, options)
+        except Exception as err:  # e.g. a closure object the artifact cannot refer to
+            logger.warning(
+                "%s cannot be precompiled, so a later start traces it again: %s",
+                step.key.describe(),
+                err,
+            )
+            step.fn = torch.compile(fn, dynamic=False, options=options or None)
+            step.fn(*args)
+            return
+        self._store.save(path, compiled, fn)
+        compiled(*args)
+        step.fn, step.precompiled = compiled, True
 
     def _padding_args(self, step: CapturedStep) -> tuple:
         """The step's arguments for a batch of padding rows only."""

@@ -109,6 +109,21 @@ class ModelRunner:
             if self.graph_runner.capturable:
                 logger.info("%s", self.graph_runner.describe())
 
+    def compile_fingerprint(self) -> dict:
+        """What a captured step calling this runner can bake in (`step_store.fingerprint`):
+        its model's structure and configuration and its caches' layout, not the run-time
+        state of its graph runner or slot table."""
+        return {
+            "role": self.role,
+            "device": str(self.device),
+            "verify_width": self.verify_width,
+            "dtype": self.model_config.dtype,
+            "config": self.model_config.hf_config.to_dict(),
+            "model": self.model,
+            "kv_pool": self.kv_pool,
+            "req_to_token": self.slot_table.req_to_token,
+        }
+
     def captures(self, inp: ModelInput) -> bool:
         """Whether `inp` has a captured step (compiled or not yet) rather than running
         eagerly."""

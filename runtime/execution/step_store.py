@@ -1,0 +1,289 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Captured steps kept on disk whole, so that a second start loads them instead of tracing.
+
+Inductor's FX graph and AOT autograd caches spare a second start the compile of a step, not
+dynamo's trace of it: a cached load of one step took 12-19 s on a 2-core CPU, more than half
+of it tracing. torch's AOT precompile (`torch.compile(fn, fullgraph=True).aot_compile(...)`
+with `save_compiled_function` and `torch.compiler.load_compiled_function`, experimental in
+torch 2.13) saves the traced and compiled step as
+one artifact. On the default model (fp32, one thread) a cached step loaded in 0.1-2.5 s
+instead of 12-19 s, and a batch-1 decode call took 2.29 instead of 2.52 ms (median of 600
+calls each, alternating): the call skips dynamo's frame evaluation.
+
+What an artifact holds and what it does not:
+- the step's bytecode, its compiled graph and inductor's kernels (a few MB);
+- no weights and no caches: those are read at each call from the live objects the step's
+  closure names (the model runners, pools, tensors), which are handed over as *external
+  data* when saving and loading (`external_objects`), never pickled;
+- no guards. The graph runner already skips dynamo's guard evaluation on captured calls
+  (each step is one graph called only with inputs of its bucket's shapes); what the guards
+  would have checked at load time, the file name checks instead: `fingerprint` hashes
+  everything the trace could have baked in (torch and Python versions, the CPU's vector ISA,
+  dynamo's and inductor's settings, the runtime's source files and the module constants of
+  its model code, the compile options, the model's structure and configuration, the pools'
+  layout, the shapes of the step's arguments). Anything it covers that differs
+  loads nothing and compiles afresh; a loaded step is also checked against the eager step
+  on the padding batch before it is used (`outputs_match`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import functools
+import hashlib
+import logging
+import os
+import platform
+import sys
+import types
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+PRIMITIVES = (bool, int, float, complex, str, bytes, type(None))
+# packages whose code a step traces: their module constants (`SORTED_MIN_PAIRS`, ...) shape
+# the graph
+TRACED_PACKAGES = ("runtime.layers.", "runtime.kernels.", "runtime.models.")
+# how deep `fingerprint` walks into plain objects (a runner's pool, its layout, the layout's
+# per-layer tuples)
+DESCRIBE_DEPTH = 5
+ARTIFACT_SUFFIX = ".pt2step"
+# an artifact's outputs on the padding batch against the eager step's: the compiler's
+# fusion moves results by rounding only
+MATCH_TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-6}
+LOW_PRECISION_TOLERANCE = 5e-2
+
+
+def _no_guards(entries):
+    """Keep none of dynamo's guards with the artifact (see the module docstring)."""
+    return [False] * len(entries)
+
+
+def precompile(fn: Callable, args: tuple, options: dict) -> Callable:
+    """`fn` traced as one graph on `args` and compiled by inductor with `options`, as an
+    AOT-compiled function that can be saved; its calls skip guard evaluation."""
+    compiled = torch.compile(
+        fn, fullgraph=True, dynamic=False, options={**options, "guard_filter_fn": _no_guards}
+    )
+    step = compiled.aot_compile((args, {}))
+    step.disable_guard_check()
+    return step
+
+
+def external_objects(fn: Callable) -> dict[str, object]:
+    """What a step's artifact refers to instead of holding: each object its closure names,
+    keyed by the cell's position (the same position in a later process's copy of the step).
+    Plain values (numbers, strings, tuples of them) are saved with it."""
+    cells = fn.__closure__ or ()
+    return {
+        f"cell{i}": cell.cell_contents
+        for i, cell in enumerate(cells)
+        if not _plain(cell.cell_contents)
+    }
+
+
+def _plain(value) -> bool:
+    if isinstance(value, (tuple, frozenset)):
+        return all(_plain(v) for v in value)
+    return isinstance(value, PRIMITIVES) or isinstance(value, enum.Enum)
+
+
+@functools.lru_cache(maxsize=1)
+def source_digest() -> str:
+    """A hash of the runtime package's Python sources: a change to any of them can change
+    what a step traces to."""
+    root = Path(__file__).resolve().parents[1]
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        digest.update(str(path.relative_to(root)).encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+@functools.lru_cache(maxsize=1)
+def platform_description() -> str:
+    from torch._inductor import cpu_vec_isa
+
+    return "|".join(
+        (torch.__version__, sys.version, platform.machine(), str(cpu_vec_isa.pick_vec_isa()))
+    )
+
+
+def compiler_settings() -> tuple:
+    """Dynamo's and inductor's settings (what their own cache keys hold)."""
+    import torch._dynamo.config as dynamo_config
+    import torch._inductor.config as inductor_config
+
+    return describe(
+        (dynamo_config.save_config_portable(), inductor_config.save_config_portable()), 8
+    )
+
+
+def traced_constants() -> tuple:
+    """The upper-case plain constants of the loaded modules whose code steps trace."""
+    return tuple(
+        (name, key, repr(value))
+        for name, module in sorted(sys.modules.items())
+        if name.startswith(TRACED_PACKAGES) and module is not None
+        for key, value in sorted(vars(module).items())
+        if key.isupper() and _plain(value)
+    )
+
+
+def fingerprint(fn: Callable, args: tuple, options: dict, label: str) -> str:
+    """A hash of everything a compile of `fn` on `args` could depend on (see the module
+    docstring). Objects may describe themselves with a `compile_fingerprint()` method."""
+    env = sorted((k, v) for k, v in os.environ.items() if k.startswith("NEXTN_"))
+    closure = [c.cell_contents for c in fn.__closure__ or ()]
+    parts = (
+        platform_description(),
+        compiler_settings(),
+        source_digest(),
+        traced_constants(),
+        label,
+        fn.__code__.co_name,
+        describe({k: v for k, v in options.items() if not callable(v)}),
+        describe(env),
+        describe(args),
+        describe(closure),
+    )
+    return hashlib.sha256(repr(parts).encode()).hexdigest()
+
+
+def describe(value, depth: int = DESCRIBE_DEPTH, seen: set | None = None):
+    """A nested tuple of strings standing for what `value` contributes to a trace: tensors
+    by their metadata, modules by their structure, plain objects by their public attributes
+    (`_`-prefixed ones hold run-time state, not configuration)."""
+    seen = set() if seen is None else seen
+    if isinstance(value, PRIMITIVES) or isinstance(value, (enum.Enum, torch.dtype)):
+        return repr(value)
+    if isinstance(value, torch.device):
+        return str(value)
+    if isinstance(value, torch.Tensor):
+        return ("tensor", tuple(value.shape), value.stride(), str(value.dtype), str(value.device))
+    if id(value) in seen:
+        return "<seen>"
+    seen.add(id(value))
+    if hasattr(value, "compile_fingerprint") and not isinstance(value, type):
+        return (type(value).__qualname__, describe(value.compile_fingerprint(), depth, seen))
+    if isinstance(value, nn.Module):
+        return describe_module(value, seen)
+    if isinstance(value, types.MethodType):
+        return ("method", value.__func__.__qualname__, describe(value.__self__, depth, seen))
+    if isinstance(value, types.FunctionType):
+        cells = [c.cell_contents for c in value.__closure__ or ()]
+        return ("function", value.__qualname__, describe(cells, depth, seen))
+    if depth <= 0:
+        return type(value).__qualname__
+    if isinstance(value, (list, tuple)):
+        return tuple(describe(v, depth - 1, seen) for v in value)
+    if isinstance(value, (set, frozenset)):
+        return ("set", tuple(sorted(repr(describe(v, depth - 1, seen)) for v in value)))
+    if isinstance(value, dict):
+        return tuple(
+            (repr(k), describe(v, depth - 1, seen)) for k, v in sorted(value.items(), key=repr)
+        )
+    if dataclasses.is_dataclass(value):
+        items = [(f.name, getattr(value, f.name)) for f in dataclasses.fields(value)]
+    elif hasattr(value, "__dict__"):
+        items = list(vars(value).items())
+    else:
+        return type(value).__qualname__
+    return (
+        type(value).__qualname__,
+        tuple(
+            (name, describe(item, depth - 1, seen))
+            for name, item in items
+            if not name.startswith("_")
+        ),
+    )
+
+
+def describe_module(module: nn.Module, seen: set) -> tuple:
+    """A module's structure: each submodule's class and public attributes, each parameter's
+    and buffer's name and metadata (their values are read at every call, not saved)."""
+    modules = tuple(
+        (
+            name,
+            type(m).__qualname__,
+            tuple(
+                (k, describe(v, 2, seen))
+                for k, v in vars(m).items()
+                if not k.startswith("_") and k != "training"
+            ),
+        )
+        for name, m in module.named_modules()
+    )
+    tensors = tuple(
+        (name, describe(t)) for name, t in (*module.named_parameters(), *module.named_buffers())
+    )
+    return (type(module).__qualname__, modules, tensors)
+
+
+def outputs_match(got, expected) -> bool:
+    """Whether a loaded step's outputs are the eager step's on the same batch, within the
+    rounding a compiler's fusion causes (floating outputs) or exactly (integer outputs)."""
+    got, expected = _flat(got), _flat(expected)
+    if len(got) != len(expected):
+        return False
+    for a, b in zip(got, expected):
+        if a is None or b is None:
+            if a is not b:
+                return False
+            continue
+        if a.shape != b.shape or a.dtype != b.dtype:
+            return False
+        if a.is_floating_point():
+            tol = MATCH_TOLERANCE.get(a.dtype, LOW_PRECISION_TOLERANCE)
+            if not torch.allclose(a.float(), b.float(), rtol=tol, atol=tol, equal_nan=True):
+                return False
+    return True
+
+
+def _flat(value) -> list:
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _flat(v)]
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return [t for f in dataclasses.fields(value) for t in _flat(getattr(value, f.name))]
+    return [value]
+
+
+class StepStore:
+    """Precompiled steps under `directory`, one file per fingerprint."""
+
+    def __init__(self, directory: Path):
+        self.directory = Path(directory)
+
+    def path(self, name: str, digest: str) -> Path:
+        return self.directory / f"{name}-{digest[:32]}{ARTIFACT_SUFFIX}"
+
+    def load(self, path: Path, fn: Callable) -> Callable | None:
+        """The step saved at `path` bound to `fn`'s closure objects, or None when there is
+        none or it cannot be read (it is then compiled afresh and saved over)."""
+        if not path.exists():
+            return None
+        try:
+            with open(path, "rb") as f:
+                step = torch.compiler.load_compiled_function(
+                    f, f_globals=fn.__globals__, external_data=external_objects(fn)
+                )
+        except Exception as err:  # a stale or damaged artifact: compile afresh
+            logger.warning("could not load the compiled step %s, compiling it: %s", path, err)
+            return None
+        step.disable_guard_check()
+        return step
+
+    def save(self, path: Path, step, fn: Callable) -> bool:
+        """Save a precompiled step; False (logged) when it cannot be saved."""
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            step.save_compiled_function(str(path), external_data=external_objects(fn))
+        except Exception as err:  # the step still serves; only the next start traces again
+            logger.warning("could not save the compiled step %s: %s", path.name, err)
+            return False
+        return True

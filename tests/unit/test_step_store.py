@@ -1,0 +1,200 @@
+# SPDX-License-Identifier: Apache-2.0
+"""`step_store`: captured CPU steps precompiled, saved, and loaded by a later start without
+tracing, bound to that start's own objects.
+
+Real inductor compiles of small steps (seconds each): a step closing over a module is
+precompiled and saved; a fresh process (and a fresh graph runner) loads it without dynamo
+tracing anything, reads its own module's weights, and gives the eager step's results. The
+fingerprint changes with everything the trace bakes in and stays put otherwise.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+from runtime.configs.capture import CaptureConfig
+from runtime.core.forward_mode import CaptureHiddenMode, ForwardMode
+from runtime.execution import graph_runner as graph_runner_mod
+from runtime.execution import step_store
+from runtime.execution.graph_runner import (
+    LOGITS_ALL,
+    GraphRunner,
+    StepKey,
+    StepRecipe,
+    StepState,
+    fresh_function,
+)
+from runtime.execution.step_store import (
+    StepStore,
+    external_objects,
+    fingerprint,
+    outputs_match,
+    precompile,
+)
+
+OPTIONS = {"cpp_wrapper": False}  # inductor's Python wrapper: the faster compile
+
+
+class Block(nn.Module):
+    def __init__(self, width: int = 8, scale: float = 2.0, seed: int = 0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.proj = nn.Linear(width, width)
+        self.scale = scale
+
+    def forward(self, x):
+        return torch.relu(self.proj(x)) * self.scale
+
+
+def step_of(block: Block, cache: torch.Tensor, rows: int = 2):
+    """A step as the graph runner builds one: a fresh function closing over live objects
+    (a module, a cache tensor it writes) and a plain value."""
+
+    def body(x):
+        out = block(x) + rows
+        cache[: x.shape[0]] = out
+        return out, cache.sum(0)
+
+    return fresh_function(body, "captured_test_step")
+
+
+def test_closure_objects_are_external_and_plain_values_are_saved():
+    block, cache = Block(), torch.zeros(4, 8)
+    external = external_objects(step_of(block, cache))
+    assert sorted(map(id, external.values())) == sorted((id(block), id(cache)))
+
+
+def test_the_fingerprint_follows_what_the_trace_bakes_in():
+    x = torch.ones(2, 8)
+
+    def digest(block=None, cache=None, rows=2, args=(x,), options=OPTIONS, label="decode bs 1"):
+        block = Block() if block is None else block
+        cache = torch.zeros(4, 8) if cache is None else cache
+        return fingerprint(step_of(block, cache, rows), args, options, label)
+
+    same = digest()
+    assert digest(block=Block(seed=5)) == same  # other weights, same structure
+    changed = [
+        digest(block=Block(width=8, scale=3.0)),  # a module's constant
+        digest(block=Block(width=16), args=(torch.ones(2, 16),)),  # parameter shapes
+        digest(cache=torch.zeros(6, 8)),  # a closure tensor's shape
+        digest(rows=3),  # a plain closure value
+        digest(args=(torch.ones(3, 8),)),  # the arguments' shapes
+        digest(args=(torch.ones(2, 8, dtype=torch.float64),)),
+        digest(options={"cpp_wrapper": True}),
+        digest(label="decode bs 2"),
+    ]
+    assert same not in changed and len(set(changed)) == len(changed)
+
+
+def test_outputs_match_allows_rounding_only():
+    a = torch.randn(4, 8)
+    ids = torch.arange(4)
+    assert outputs_match((a, ids, None), (a + 1e-5, ids + 1, None))  # integer values not compared
+    assert not outputs_match((a,), (a + 0.1,))
+    assert not outputs_match((a,), (a[:2],))
+    assert not outputs_match((a, None), (a, a))
+    assert not outputs_match((a,), (a, a))
+
+
+LOAD_IN_A_FRESH_PROCESS = textwrap.dedent(
+    """
+    import sys
+    import torch
+    from torch._dynamo.utils import counters
+    from runtime.execution.step_store import StepStore
+    from tests.unit.test_step_store import Block, step_of
+
+    block, cache = Block(seed=7), torch.zeros(4, 8)
+    fn = step_of(block, cache)
+    step = StepStore(sys.argv[1]).load(__import__("pathlib").Path(sys.argv[2]), fn)
+    x = torch.randn(2, 8)
+    with torch.inference_mode():
+        out, total = step(x)
+        expected = torch.relu(block.proj(x)) * 2.0 + 2
+    torch.testing.assert_close(out, expected)
+    torch.testing.assert_close(cache[:2], expected)  # it wrote this process's cache
+    torch.testing.assert_close(total, expected.sum(0))
+    assert not counters["stats"]["unique_graphs"], dict(counters["stats"])  # nothing traced
+    print("loaded")
+    """
+)
+
+
+def test_a_saved_step_loads_in_a_fresh_process_without_tracing(tmp_path):
+    block, cache = Block(seed=1), torch.zeros(4, 8)
+    fn = step_of(block, cache)
+    args = (torch.randn(2, 8),)
+    store = StepStore(tmp_path)
+    path = store.path("captured_test_step", fingerprint(fn, args, OPTIONS, "test"))
+    with torch.inference_mode():
+        step = precompile(fn, args, OPTIONS)
+        assert store.save(path, step, fn)
+        torch.testing.assert_close(step(*args)[0], fn(*args)[0])
+    done = subprocess.run(
+        [sys.executable, "-c", LOAD_IN_A_FRESH_PROCESS, str(tmp_path), str(path)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0 and "loaded" in done.stdout, done.stderr[-3000:]
+
+
+def test_a_damaged_artifact_loads_nothing(tmp_path):
+    path = tmp_path / f"step{step_store.ARTIFACT_SUFFIX}"
+    path.write_bytes(b"not a compiled step")
+    assert StepStore(tmp_path).load(path, step_of(Block(), torch.zeros(4, 8))) is None
+
+
+def recipe_runner(tmp_path, seed: int):
+    """A graph runner whose one step (a caller-defined recipe) closes over a fresh block."""
+    pool = SimpleNamespace(pad_req=0, max_context_len=64)
+    runner = SimpleNamespace(
+        device="cpu", slot_table=SimpleNamespace(req_pool=pool), kv_pool=None, call_model=None
+    )
+    config = CaptureConfig(
+        batch_sizes=(1,), background=False, cache_dir=str(tmp_path), inductor_options=OPTIONS
+    )
+    graph_runner = GraphRunner(runner, config, 1)
+    block, cache = Block(seed=seed), torch.zeros(4, 8)
+    body = step_of(block, cache)
+    key = StepKey(
+        ForwardMode.DECODE, 1, 1, CaptureHiddenMode.NULL, LOGITS_ALL, False, 0, recipe="test"
+    )
+    recipe = StepRecipe("test", body, lambda bucket: (torch.zeros(bucket, 8),))
+    return graph_runner, graph_runner._step(key, None, recipe), block
+
+
+@pytest.mark.parametrize("stored_differs", [False, True], ids=["loads", "differs"])
+def test_a_second_graph_runner_loads_the_step_unless_it_differs_from_eager(
+    tmp_path, monkeypatch, stored_differs
+):
+    monkeypatch.setattr(graph_runner_mod, "PRECOMPILE", True)
+    # the runner's cache directory is a temporary one: keep inductor's where it is
+    inductor_dir = CaptureConfig().resolved_cache_dir() / "inductor"
+    monkeypatch.setenv(
+        "TORCHINDUCTOR_CACHE_DIR", os.environ.get("TORCHINDUCTOR_CACHE_DIR", str(inductor_dir))
+    )
+    first, step, _ = recipe_runner(tmp_path, seed=1)
+    first._compile(step)
+    assert step.state is StepState.READY and step.precompiled and not step.loaded
+    assert len(list(tmp_path.joinpath("steps").iterdir())) == 1
+
+    if stored_differs:  # the eager step disagrees with what was stored: compile afresh
+        monkeypatch.setattr(graph_runner_mod, "outputs_match", lambda got, expected: False)
+    second, step, block = recipe_runner(tmp_path, seed=2)
+    second._compile(step)
+    assert step.state is StepState.READY and step.precompiled
+    assert step.loaded is not stored_differs
+    x = torch.randn(1, 8)
+    with torch.inference_mode():
+        out = second._call_compiled(step, (x,))[0]
+    torch.testing.assert_close(out, torch.relu(block.proj(x)) * 2.0 + 2)
