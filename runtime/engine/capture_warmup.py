@@ -147,7 +147,7 @@ def compile_at_startup(engine, progress: bool = False) -> None:
     ready = [name for name, state, _ in steps if state == "ready"]
     failed = [name for name, state, _ in steps if state == "failed"]
     logger.info(
-        "compiled %d captured steps at start-up in %.1f s%s",
+        "compiled or loaded %d captured steps at start-up in %.1f s%s",
         len(ready),
         time.perf_counter() - start,
         f"; not captured (run eagerly): {', '.join(failed)}" if failed else "",

@@ -711,6 +711,8 @@ class GraphRunner:
         backend = "CUDA graphs" if self.cuda else "torch.compile (inductor)"
         if self.cuda and self.config.torch_compile:
             backend = "torch.compile + CUDA graphs"
+        if self._store is not None:
+            backend += f", precompiled and kept in {self._store.directory}"
         when = "compiled on first use"
         if self.config.background and not self.cuda:
             when = "compiled on first use in the background"
