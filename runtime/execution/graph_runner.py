@@ -605,7 +605,7 @@ class GraphRunner:
         path = self._store.path(fn.__name__, fingerprint(fn, args, options, step.key.describe()))
         loaded = self._store.load(path, fn)
         if loaded is not None:
-            if outputs_match(loaded(*args), fn(*args)):
+            if self._runs_like_eager(loaded, fn, args):
                 step.fn, step.precompiled, step.loaded = loaded, True, True
                 return
             logger.warning("the stored %s differs from the eager step; compiling it", path.name)
@@ -623,6 +623,17 @@ class GraphRunner:
         self._store.save(path, compiled, fn)
         compiled(*args)
         step.fn, step.precompiled = compiled, True
+
+    @staticmethod
+    def _runs_like_eager(loaded: Callable, fn: Callable, args: tuple) -> bool:
+        """Whether a stored step gives the eager step's outputs on the padding batch (a step
+        that fails to run counts as different: it is compiled afresh, not left eager)."""
+        try:
+            got = loaded(*args)
+        except Exception as err:
+            logger.warning("a stored step failed to run: %s", err)
+            return False
+        return outputs_match(got, fn(*args))
 
     def _padding_args(self, step: CapturedStep) -> tuple:
         """The step's arguments for a batch of padding rows only."""

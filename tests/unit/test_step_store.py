@@ -173,9 +173,9 @@ def recipe_runner(tmp_path, seed: int):
     return graph_runner, graph_runner._step(key, None, recipe), block
 
 
-@pytest.mark.parametrize("stored_differs", [False, True], ids=["loads", "differs"])
+@pytest.mark.parametrize("stored", ["matches", "differs", "fails"])
 def test_a_second_graph_runner_loads_the_step_unless_it_differs_from_eager(
-    tmp_path, monkeypatch, stored_differs
+    tmp_path, monkeypatch, stored
 ):
     monkeypatch.setattr(graph_runner_mod, "PRECOMPILE", True)
     # the runner's cache directory is a temporary one: keep inductor's where it is
@@ -188,12 +188,24 @@ def test_a_second_graph_runner_loads_the_step_unless_it_differs_from_eager(
     assert step.state is StepState.READY and step.precompiled and not step.loaded
     assert len(list(tmp_path.joinpath("steps").iterdir())) == 1
 
-    if stored_differs:  # the eager step disagrees with what was stored: compile afresh
+    if stored == "differs":  # the eager step disagrees with what was stored: compile afresh
         monkeypatch.setattr(graph_runner_mod, "outputs_match", lambda got, expected: False)
+    if stored == "fails":  # the stored step raises when run: compile afresh, not eager
+        load = StepStore.load
+
+        def failing_load(self, path, fn):
+            step = load(self, path, fn)
+
+            def fail(*args):
+                raise RuntimeError("size mismatch")
+
+            return fail if step is not None else None
+
+        monkeypatch.setattr(StepStore, "load", failing_load)
     second, step, block = recipe_runner(tmp_path, seed=2)
     second._compile(step)
     assert step.state is StepState.READY and step.precompiled
-    assert step.loaded is not stored_differs
+    assert step.loaded is (stored == "matches")
     x = torch.randn(1, 8)
     with torch.inference_mode():
         out = second._call_compiled(step, (x,))[0]
