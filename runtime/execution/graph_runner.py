@@ -52,6 +52,7 @@ from runtime.core.forward_context import ForwardContext
 from runtime.core.forward_mode import CaptureHiddenMode, ForwardMode
 from runtime.core.model_output import LogitsProcessorOutput
 from runtime.distributed.replica import patient_collectives
+from runtime.execution import step_store
 from runtime.execution.compile_worker import CompileWorker
 from runtime.execution.step_store import StepStore, fingerprint, outputs_match, precompile
 from runtime.layers import hyper_connection
@@ -68,6 +69,7 @@ SKIP_GUARDS = os.environ.get("NEXTN_CHECK_GUARDS") is None
 # CPU steps are precompiled and kept on disk (`step_store`); with guards checked they are
 # `torch.compile`d functions instead, whose guards dynamo evaluates
 PRECOMPILE = SKIP_GUARDS
+PREPARE_STORE = "prepare the step store"  # the background worker's first item (CPU)
 
 
 class GuardSkipping:
@@ -207,7 +209,7 @@ class GraphRunner:
         self.max_context = runner.slot_table.req_pool.max_context_len
         self._steps: dict[StepKey, CapturedStep] = {}
         self._lock = threading.Lock()
-        self._worker: CompileWorker[CapturedStep] | None = None
+        self._worker: CompileWorker | None = None  # its items: steps, or PREPARE_STORE
         self._graph_pool = None  # CUDA: the memory pool the graphs share
         # False once start-up compiled every step a batch can meet: a step met later (a kind
         # the warm-up did not run) pads into a larger ready bucket or runs eagerly rather
@@ -223,6 +225,8 @@ class GraphRunner:
             configure_compiler(config)
             if PRECOMPILE and not torch.distributed.is_initialized():
                 self._store = StepStore(config.resolved_cache_dir() / "steps")
+                if config.background:  # before traffic claims the core
+                    self._background().put(PREPARE_STORE)
         elif config.torch_compile and config.background:
             logger.warning(
                 "--enable-torch-compile on CUDA: each step compiles (about a minute) in the "
@@ -562,9 +566,20 @@ class GraphRunner:
             if step.state is not StepState.PENDING:
                 return
             step.state = StepState.COMPILING
+        self._background().put(step)
+
+    def _background(self) -> CompileWorker:
+        """The worker thread that compiles this runner's steps (started on first use)."""
+        with self._lock:
             if self._worker is None:
-                self._worker = CompileWorker(self._compile)
-        self._worker.put(step)
+                self._worker = CompileWorker(self._work)
+            return self._worker
+
+    def _work(self, item) -> None:
+        if item is PREPARE_STORE:
+            step_store.prepare()
+        else:
+            self._compile(item)
 
     def _compile(self, step: CapturedStep) -> None:
         """Capture `step` on a batch made only of padding rows (it writes only padding rows

@@ -114,6 +114,19 @@ def platform_description() -> str:
     )
 
 
+def prepare() -> None:
+    """Do once what a process's first load of a step would (about 3 s of CPU here): import
+    the compiler's runtime and compute the process-wide parts of a fingerprint (probing the
+    CPU's vector ISA builds a test program). A background thread runs it at start-up, so a
+    first load under traffic does not pay for it at the thread's low priority."""
+    import torch._dynamo.aot_compile  # noqa: F401
+    import torch._inductor.compile_fx  # noqa: F401
+
+    platform_description()
+    source_digest()
+    compiler_settings()
+
+
 def compiler_settings() -> tuple:
     """Dynamo's and inductor's settings (what their own cache keys hold)."""
     import torch._dynamo.config as dynamo_config

@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -210,3 +211,23 @@ def test_a_second_graph_runner_loads_the_step_unless_it_differs_from_eager(
     with torch.inference_mode():
         out = second._call_compiled(step, (x,))[0]
     torch.testing.assert_close(out, torch.relu(block.proj(x)) * 2.0 + 2)
+
+
+def test_a_background_graph_runner_prepares_the_store_before_any_step(tmp_path, monkeypatch):
+    """The first load of a process (imports, the ISA probe) happens at start-up on the
+    worker thread, not when traffic first meets a step."""
+    monkeypatch.setattr(graph_runner_mod, "PRECOMPILE", True)
+    inductor_dir = CaptureConfig().resolved_cache_dir() / "inductor"
+    monkeypatch.setenv(
+        "TORCHINDUCTOR_CACHE_DIR", os.environ.get("TORCHINDUCTOR_CACHE_DIR", str(inductor_dir))
+    )
+    prepared = threading.Event()
+    monkeypatch.setattr(step_store, "prepare", prepared.set)
+    pool = SimpleNamespace(pad_req=0, max_context_len=64)
+    runner = SimpleNamespace(device="cpu", slot_table=SimpleNamespace(req_pool=pool))
+    config = CaptureConfig(batch_sizes=(1,), cache_dir=str(tmp_path))
+    graph_runner = GraphRunner(runner, config, 1)
+    assert prepared.wait(30)
+    assert graph_runner._worker._thread.name == "capture"
+    inline = GraphRunner(runner, CaptureConfig(batch_sizes=(1,), background=False), 1)
+    assert inline._worker is None  # nothing runs beside an inline runner
