@@ -118,7 +118,9 @@ class CompileWorker(Generic[Item]):
         """Take no further item, and interrupt the one in flight."""
         with self._lock:
             self._stopping = True
-            if self._busy:
+            # a collection of the owner inside the worker's own item runs this in that
+            # thread: the item then ends by itself, and the loop after it
+            if self._busy and threading.current_thread() is not self._thread:
                 raise_in_thread(self._thread, CompileAbandoned)
         self._queue.put(_STOP)
 

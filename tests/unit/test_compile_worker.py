@@ -159,3 +159,35 @@ def test_a_dropped_owner_is_collected_and_its_worker_ends():
     gc.collect()
     assert alive() is None
     assert worker.join(10)
+
+
+class SlowOwner:
+    """An owner whose item waits for `release`: dropped by its caller meanwhile, its last
+    reference goes when the worker finishes the item, in the worker's own thread."""
+
+    def __init__(self, started: threading.Event, release: threading.Event):
+        self.started, self.release = started, release
+
+    def compile(self, item):
+        self.started.set()
+        assert self.release.wait(10)
+
+
+def test_an_owner_collected_in_the_worker_thread_ends_it_quietly(monkeypatch):
+    """The collection then runs `stop` in the worker's thread, which must not raise the
+    interrupt into itself (an exception ignored in the finalizer, before)."""
+    unraisable = []
+    monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
+    started, release = threading.Event(), threading.Event()
+    owner = SlowOwner(started, release)
+    worker = CompileWorker(owner.compile)
+    worker.put("step")
+    assert started.wait(10)
+    alive = weakref.ref(owner)
+    del owner
+    gc.collect()
+    assert alive() is not None  # the item in flight holds it
+    release.set()
+    assert worker.join(10)
+    assert alive() is None
+    assert not unraisable, [u.exc_value for u in unraisable]
