@@ -155,16 +155,31 @@ def test_a_damaged_artifact_loads_nothing(tmp_path):
     assert StepStore(tmp_path).load(path, step_of(Block(), torch.zeros(4, 8))) is None
 
 
-def recipe_runner(tmp_path, seed: int):
-    """A graph runner whose one step (a caller-defined recipe) closes over a fresh block."""
+@pytest.fixture
+def precompiling(monkeypatch):
+    """Graph runners precompile their steps; their cache directories are temporary ones,
+    so inductor's stays where it is."""
+    monkeypatch.setattr(graph_runner_mod, "PRECOMPILE", True)
+    inductor_dir = CaptureConfig().resolved_cache_dir() / "inductor"
+    monkeypatch.setenv(
+        "TORCHINDUCTOR_CACHE_DIR", os.environ.get("TORCHINDUCTOR_CACHE_DIR", str(inductor_dir))
+    )
+
+
+def bare_runner() -> SimpleNamespace:
+    """The little of a model runner a graph runner reads before any model step."""
     pool = SimpleNamespace(pad_req=0, max_context_len=64)
-    runner = SimpleNamespace(
+    return SimpleNamespace(
         device="cpu", slot_table=SimpleNamespace(req_pool=pool), kv_pool=None, call_model=None
     )
+
+
+def recipe_runner(tmp_path, seed: int):
+    """A graph runner whose one step (a caller-defined recipe) closes over a fresh block."""
     config = CaptureConfig(
         batch_sizes=(1,), background=False, cache_dir=str(tmp_path), inductor_options=OPTIONS
     )
-    graph_runner = GraphRunner(runner, config, 1)
+    graph_runner = GraphRunner(bare_runner(), config, 1)
     block, cache = Block(seed=seed), torch.zeros(4, 8)
     body = step_of(block, cache)
     key = StepKey(
@@ -176,14 +191,8 @@ def recipe_runner(tmp_path, seed: int):
 
 @pytest.mark.parametrize("stored", ["matches", "differs", "fails"])
 def test_a_second_graph_runner_loads_the_step_unless_it_differs_from_eager(
-    tmp_path, monkeypatch, stored
+    tmp_path, monkeypatch, precompiling, stored
 ):
-    monkeypatch.setattr(graph_runner_mod, "PRECOMPILE", True)
-    # the runner's cache directory is a temporary one: keep inductor's where it is
-    inductor_dir = CaptureConfig().resolved_cache_dir() / "inductor"
-    monkeypatch.setenv(
-        "TORCHINDUCTOR_CACHE_DIR", os.environ.get("TORCHINDUCTOR_CACHE_DIR", str(inductor_dir))
-    )
     first, step, _ = recipe_runner(tmp_path, seed=1)
     first._compile(step)
     assert step.state is StepState.READY and step.precompiled and not step.loaded
@@ -213,18 +222,14 @@ def test_a_second_graph_runner_loads_the_step_unless_it_differs_from_eager(
     torch.testing.assert_close(out, torch.relu(block.proj(x)) * 2.0 + 2)
 
 
-def test_a_background_graph_runner_prepares_the_store_before_any_step(tmp_path, monkeypatch):
+def test_a_background_graph_runner_prepares_the_store_before_any_step(
+    tmp_path, monkeypatch, precompiling
+):
     """The first load of a process (imports, the ISA probe) happens at start-up on the
     worker thread, not when traffic first meets a step."""
-    monkeypatch.setattr(graph_runner_mod, "PRECOMPILE", True)
-    inductor_dir = CaptureConfig().resolved_cache_dir() / "inductor"
-    monkeypatch.setenv(
-        "TORCHINDUCTOR_CACHE_DIR", os.environ.get("TORCHINDUCTOR_CACHE_DIR", str(inductor_dir))
-    )
     prepared = threading.Event()
     monkeypatch.setattr(step_store, "prepare", prepared.set)
-    pool = SimpleNamespace(pad_req=0, max_context_len=64)
-    runner = SimpleNamespace(device="cpu", slot_table=SimpleNamespace(req_pool=pool))
+    runner = bare_runner()
     config = CaptureConfig(batch_sizes=(1,), cache_dir=str(tmp_path))
     graph_runner = GraphRunner(runner, config, 1)
     assert prepared.wait(30)
