@@ -157,9 +157,9 @@ class EngineConfig:
     disable_narrow_weights: bool = setting(
         False,
         "CPU: captured steps read the fp32 weights instead of bf16 copies of those whose values "
-        "bf16 holds exactly (a bf16 checkpoint run in fp32: routed experts, and linear layers "
-        "of at most 256K elements); the copies halve the bytes those products read and cost "
-        "half their fp32 weights' memory",
+        "bf16 holds exactly (a bf16 checkpoint run in fp32: routed experts, linear layers and "
+        "LM heads); the copies halve the bytes those products read and cost half their fp32 "
+        "weights' memory",
     )
     disable_fused_nextn_round: bool = setting(
         False,

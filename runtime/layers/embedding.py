@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from runtime.distributed import ParallelGroup, all_gather_last_dim, all_reduce
-from runtime.layers.narrow_weights import weight_for_product
+from runtime.layers.narrow_weights import linear_product
 from runtime.layers.weight_utils import copy_checked, make_param
 
 _SINGLE = ParallelGroup()
@@ -64,11 +64,11 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """`logits = hidden @ W^T` over the full vocabulary (shards gathered, padding trimmed)."""
 
-    # captured steps may read a bf16 copy, widened whole before the GEMM (narrow_weights)
+    # captured steps may read a bf16 copy (narrow_weights.linear_product)
     narrow_weight_names = ("weight",)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, weight_for_product(self, "weight").to(hidden.dtype))
+        logits = linear_product(hidden, self)
         logits = all_gather_last_dim(logits, self.tp)
         return logits[..., : self.num_embeddings]
 
@@ -101,7 +101,7 @@ class HotVocabLMHead(nn.Module):
         self.register_buffer("local_rows", local.to(head.weight.device), persistent=False)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        scores = F.linear(hidden, weight_for_product(self, "weight").to(hidden.dtype))
+        scores = linear_product(hidden, self)
         floor = torch.finfo(scores.dtype).min
         logits = scores.new_full((*scores.shape[:-1], self.rows_per_rank), floor)
         logits = logits.index_copy(-1, self.local_rows, scores)

@@ -12,11 +12,10 @@ and read only this rank's rows / columns.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from runtime.distributed import ParallelGroup, all_gather_last_dim, all_reduce
-from runtime.layers.narrow_weights import weight_for_product
+from runtime.layers.narrow_weights import linear_product
 from runtime.layers.weight_utils import (
     WeightShapeError,
     copy_checked,
@@ -30,7 +29,7 @@ _SINGLE = ParallelGroup()
 
 
 class LinearBase(nn.Module):
-    # captured steps may read a bf16 copy, widened whole before the GEMM (narrow_weights)
+    # captured steps may read a bf16 copy (narrow_weights.linear_product)
     narrow_weight_names = ("weight",)
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False, params_dtype=None):
@@ -46,10 +45,7 @@ class LinearBase(nn.Module):
         copy_checked(param.data, loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self._weight_for(x), self.bias)
-
-    def _weight_for(self, x: torch.Tensor) -> torch.Tensor:
-        return weight_for_product(self, "weight").to(x.dtype)
+        return linear_product(x, self, "weight", self.bias)
 
     def extra_repr(self) -> str:
         return f"in={self.input_size}, out={self.output_size}, bias={self.bias is not None}"
@@ -83,7 +79,7 @@ class ColumnParallelLinear(LinearBase):
     bias_loader = weight_loader
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self._weight_for(x), self.bias)
+        y = linear_product(x, self, "weight", self.bias)
         return all_gather_last_dim(y, self.tp) if self.gather_output else y
 
 
@@ -215,7 +211,7 @@ class RowParallelLinear(LinearBase):
         copy_checked(param.data, loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self._weight_for(x))
+        y = linear_product(x, self)
         if self.reduce_results:
             y = all_reduce(y, self.tp)
         # The bias is added once, after the reduction, not once per rank.

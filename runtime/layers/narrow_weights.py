@@ -6,23 +6,39 @@ not by arithmetic. A bf16 checkpoint served with `--dtype float32` (the fast dty
 without native bf16 products) holds fp32 weights whose values are all exactly
 representable in bf16. For such a tensor a bf16 copy holds the same numbers in half the
 bytes: inside a captured step the products read the copy and widen it as they load
-(`weight_for_product`). The products then see exactly the fp32 values, so results are
-unchanged; only memory traffic halves. Eager forwards (prefill) keep using the wide tensor,
-so they pay no conversion.
+(`weight_for_product`, `linear_product`). The products then multiply exactly the fp32
+values, so only the order of the sums can move results, by rounding, while the weights'
+memory traffic halves. Eager forwards (prefill) keep using the wide tensor, so they pay no
+conversion.
 
-Where the widening lands decides whether a copy pays. Routed experts are gathered per pair
-and multiplied inside one kernel the compiler writes, so the widening is fused into the
-read and no fp32 copy ever exists. A linear layer's product is an external GEMM: the
-compiler first widens the whole copy into an fp32 temporary, which the GEMM then reads.
-That pays while the temporary stays in the core's cache (the weight leaves memory as 2
-bytes an element), and costs more than the wide weight once it does not (2 bytes read, 4
-written, 4 read again, every call). So a module's copies are limited to `narrow_max_numel`
-elements, `WIDENED_MAX_NUMEL` unless the module sets it (None: no limit, for products
-that widen inside their own kernel, as the routed experts do): the default
-model's LM head (4096 x 256, a 4 MB temporary written four times a NEXTN round) measured
-4.05 and 3.01 ms per NEXTN token with its copy against 2.83 and 2.74 ms reading the fp32
-head (two one-off in-process A/Bs; docs/captured_decode.md section 3), and plain decoding
-unchanged.
+Where the widening lands decides whether a copy pays. A product the compiler writes itself
+widens as it loads, so no fp32 copy of the weight ever exists: the routed experts' gathered
+product, and a linear layer's or LM head's product over at most `FUSED_MAX_ROWS` rows
+(`linear_product`), which a captured step computes as a reduction over the input dim
+(`widening_product`) instead of calling an external GEMM. A larger product is an external
+GEMM, for which the compiler first widens the whole copy into an fp32 temporary: that pays
+while the temporary stays in the core's cache (the weight leaves memory as 2 bytes an
+element), and costs more than the wide weight once it does not (2 bytes read, 4 written, 4
+read again, every call). So such a GEMM reads a copy only up to `narrow_max_numel` elements,
+`WIDENED_MAX_NUMEL` unless the module sets it (None: no limit, for modules whose products
+always widen inside their own kernel, as the routed experts do), and the wide weight above
+it: the default model's LM head (4096 x 256, a 4 MB temporary written four times a NEXTN
+round) measured 4.05 and 3.01 ms per NEXTN token with its copy widened before the GEMM
+against 2.83 and 2.74 ms reading the fp32 head (two one-off in-process A/Bs;
+docs/captured_decode.md section 3), and plain decoding unchanged.
+
+Why a reduction for few rows: a GEMM library's kernel for one to four rows still reads
+the fp32 weight once per call and does little work per byte, so it runs at the core's
+memory rate; the compiler's reduction reads half the bytes and keeps each weight row in the
+core's first-level cache while it serves every input row. On a 2-core AVX-512 machine
+(compiled micro-benchmark, one thread, eight weights in turn so they come from the shared
+cache) a 256 x 256 product took 9.9 against 26.8 us at one row and 19.6 against 32.7 us at
+four, the 4096 x 256 LM head 90 against 177 us at one row and 236 against 335 at four; at
+eight rows the GEMM was level or ahead. Inside a whole step four rows lost nonetheless: with
+the limit at four, a batch-1 NEXTN round (its verify has four rows) took 7.6 against 6.4 ms
+(`bench_one_batch`, median round), as the compiler fused those products into neighbouring
+kernels that then ran slower, while single-row steps gained (a plain step 2.6 against 3.4
+ms). Hence the limit of one row: batch-1 decode steps and draft steps.
 
 A tensor gets a copy only when the copy is lossless (every value round-trips), so an fp32
 checkpoint, or weights a loader dequantised to values bf16 cannot hold, keep the wide path.
@@ -34,6 +50,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from runtime.core.capture import in_capture
@@ -46,11 +63,14 @@ MIN_NUMEL = 1 << 14
 # core's L2 cache (1 MiB: 256K elements); the limit of every module that does not set
 # `narrow_max_numel`
 WIDENED_MAX_NUMEL = 1 << 18
+# products over at most this many rows read the copy inside a reduction the compiler writes
+FUSED_MAX_ROWS = 1
 
 
 def weight_for_product(module: nn.Module, name: str) -> torch.Tensor:
-    """The tensor a product should read: the narrow copy inside a captured step when the
-    module has one, else the wide weight. Callers widen after any gather (`.to(x.dtype)`)."""
+    """The tensor a product that widens inside its own kernel should read: the narrow copy
+    inside a captured step when the module has one, else the wide weight. Callers widen
+    after any gather (`.to(x.dtype)`)."""
     if in_capture():
         narrow = getattr(module, name + NARROW_SUFFIX, None)
         if narrow is not None:
@@ -58,20 +78,62 @@ def weight_for_product(module: nn.Module, name: str) -> torch.Tensor:
     return getattr(module, name)
 
 
+def product_weight(module: nn.Module, name: str, rows: int) -> tuple[torch.Tensor, bool]:
+    """The tensor a product over `rows` rows should read, and whether to read it inside a
+    reduction (`widening_product`, any copy) rather than widened before an external GEMM
+    (a copy up to the module's `narrow_max_numel`, else the wide weight)."""
+    if in_capture():
+        narrow = getattr(module, name + NARROW_SUFFIX, None)
+        if narrow is not None:
+            if rows <= FUSED_MAX_ROWS:
+                return narrow, True
+            limit = getattr(module, "narrow_max_numel", WIDENED_MAX_NUMEL)
+            if limit is None or narrow.numel() <= limit:
+                return narrow, False
+    return getattr(module, name), False
+
+
+def widening_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`x [..., M, K] @ weight [..., N, K]^T -> [..., M, N]` as a product and a sum over `K`,
+    widening `weight` to `x.dtype` as it is read. Compiled, this is one loop nest over
+    `N`, then `M`, then `K`: no temporary, each weight row read once for all `M` rows.
+
+    `x` is first stored as it is (`as_strided` onto its own layout, which the compiler can
+    only lower onto a stored buffer). Otherwise the compiler inlines the pointwise work
+    that made `x` (a norm's scaling, rotary embedding, a concatenation) into the loads of
+    this loop, which redoes it for every one of the `N` outputs: in a NEXTN round that took
+    a step's attention epilogue from a fraction of a millisecond to 1.5 ms."""
+    x = x.as_strided(x.shape, x.stride())
+    wide = weight.to(x.dtype).unsqueeze(-2)  # [..., N, 1, K]
+    return (wide * x.unsqueeze(-3)).sum(-1).transpose(-1, -2)
+
+
+def linear_product(
+    x: torch.Tensor, module: nn.Module, name: str = "weight", bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`F.linear(x, module.<name>, bias)`, reading what `product_weight` picks for the
+    number of rows of `x`."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    weight, fused = product_weight(module, name, rows)
+    if not fused:
+        return F.linear(x, weight.to(x.dtype), bias)
+    y = widening_product(x.reshape(rows, x.shape[-1]), weight)
+    y = y.reshape(*x.shape[:-1], weight.shape[0])
+    return y if bias is None else y + bias
+
+
 def attach_narrow_copies(models: Iterable[nn.Module], min_numel: int = MIN_NUMEL) -> int:
     """Give every module of `models` a narrow copy of each fp32 tensor of at least
-    `min_numel` elements (and at most the module's `narrow_max_numel`, `WIDENED_MAX_NUMEL`
-    unless it sets one) it lists in `narrow_weight_names` that bf16 holds exactly (a buffer
+    `min_numel` elements it lists in `narrow_weight_names` that bf16 holds exactly (a buffer
     `<name>_narrow`). A tensor shared by several modules gets one copy. Returns the bytes of
     the copies made."""
     made: dict[tuple[int, tuple[int, ...]], torch.Tensor] = {}
     total = 0
     for model in models:
         for module in model.modules():
-            max_numel = getattr(module, "narrow_max_numel", WIDENED_MAX_NUMEL)
             for name in getattr(module, "narrow_weight_names", ()):
                 wide = getattr(module, name, None)
-                if not _narrowable(wide, min_numel, max_numel):
+                if not _narrowable(wide, min_numel):
                     continue
                 key = (wide.data_ptr(), tuple(wide.shape))
                 if key not in made:
@@ -84,11 +146,10 @@ def attach_narrow_copies(models: Iterable[nn.Module], min_numel: int = MIN_NUMEL
     return total
 
 
-def _narrowable(wide, min_numel: int, max_numel: int | None) -> bool:
+def _narrowable(wide, min_numel: int) -> bool:
     return (
         isinstance(wide, torch.Tensor)
         and wide.dtype == torch.float32
         and wide.device.type == "cpu"
         and wide.numel() >= min_numel
-        and (max_numel is None or wide.numel() <= max_numel)
     )

@@ -1,16 +1,24 @@
 # SPDX-License-Identifier: Apache-2.0
 """Narrow (bf16) copies of fp32 weights for captured steps: made only where lossless, read
-only inside a compiled graph, and the products there equal the wide ones (exactly when
-traced, to rounding once the compiler fuses the widening into its loops)."""
+only inside a compiled graph, and the products there equal the wide ones (to rounding:
+products of few rows sum in the compiler's order, not the GEMM's)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from runtime.layers.embedding import ParallelLMHead
 from runtime.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from runtime.layers.moe.experts import FusedMoEExperts
-from runtime.layers.narrow_weights import MIN_NUMEL, WIDENED_MAX_NUMEL, attach_narrow_copies
+from runtime.layers.narrow_weights import (
+    FUSED_MAX_ROWS,
+    MIN_NUMEL,
+    WIDENED_MAX_NUMEL,
+    attach_narrow_copies,
+    product_weight,
+    widening_product,
+)
 
 
 def bf16_valued(shape, seed=0):
@@ -38,7 +46,8 @@ def test_copies_only_where_lossless_large_and_once_per_shared_tensor():
     assert tiny.weight.numel() < MIN_NUMEL <= exact.weight.numel()
 
 
-def test_compiled_products_read_the_copies_and_equal_the_wide_ones():
+@pytest.mark.parametrize("num_rows", [FUSED_MAX_ROWS, FUSED_MAX_ROWS + 2])
+def test_compiled_products_read_the_copies_and_equal_the_wide_ones(num_rows):
     torch.manual_seed(0)
     hidden, inter, experts = 64, 128, 8
     column = ColumnParallelLinear(hidden, 2 * inter)
@@ -61,9 +70,9 @@ def test_compiled_products_read_the_copies_and_equal_the_wide_ones():
         seen_dtypes.update(t.dtype for t in example_inputs if isinstance(t, torch.Tensor))
         return gm.forward
 
-    x = bf16_valued((3, hidden), seed=7)
-    topk_ids = torch.tensor([[0, 5], [5, 2], [7, 0]])
-    topk_weights = torch.rand(3, 2)
+    x = bf16_valued((num_rows, hidden), seed=7)
+    topk_ids = torch.randint(0, experts, (num_rows, 2), generator=torch.Generator().manual_seed(3))
+    topk_weights = torch.rand(num_rows, 2)
     with torch.inference_mode():
         eager = step(x, topk_weights, topk_ids)
         wide = torch.compile(step, dynamic=False)(x, topk_weights, topk_ids)
@@ -76,17 +85,20 @@ def test_compiled_products_read_the_copies_and_equal_the_wide_ones():
         torch._dynamo.reset()
         narrow = torch.compile(step, dynamic=False)(x, topk_weights, topk_ids)
     assert torch.bfloat16 in seen_dtypes  # the graph's weight inputs are the narrow copies
-    torch.testing.assert_close(traced, eager, rtol=0, atol=0)  # widened values: the same math
+    if num_rows > FUSED_MAX_ROWS:  # widened before the same GEMMs: the same math, bit for bit
+        torch.testing.assert_close(traced, eager, rtol=0, atol=0)
+    torch.testing.assert_close(traced, eager)
     # the compiler may fuse the widening into its own loops: rounding-level differences
     torch.testing.assert_close(narrow, wide)
     torch.testing.assert_close(narrow, eager)
 
 
 def test_products_widened_before_a_gemm_keep_large_weights_wide():
-    """A linear layer or LM head widens its whole copy into an fp32 temporary before an
-    external GEMM, which pays only while that temporary fits a core's cache: above
-    `WIDENED_MAX_NUMEL` (the default model's 4096 x 256 head) the weight stays wide. Routed
-    experts widen inside the gathered product's own kernel, so any size gets a copy."""
+    """A GEMM over more than `FUSED_MAX_ROWS` rows widens its whole copy into an fp32
+    temporary first, which pays only while that temporary fits a core's cache: above
+    `WIDENED_MAX_NUMEL` (the default model's 4096 x 256 head) it reads the wide weight.
+    Products of fewer rows, and the routed experts' at any size, widen inside their own
+    kernel, so every size gets a copy and they read it."""
     rows = WIDENED_MAX_NUMEL // 64
     at_limit = ReplicatedLinear(64, rows)
     at_limit.weight.data = bf16_valued((rows, 64))
@@ -97,6 +109,39 @@ def test_products_widened_before_a_gemm_keep_large_weights_wide():
         param.data = bf16_valued(param.shape, seed=param.numel())
     assert moe.w13_weight.numel() > WIDENED_MAX_NUMEL
     attach_narrow_copies([at_limit, head, moe])
-    assert hasattr(at_limit, "weight_narrow")
-    assert not hasattr(head, "weight_narrow")
+    assert hasattr(at_limit, "weight_narrow") and hasattr(head, "weight_narrow")
     assert hasattr(moe, "w13_weight_narrow") and hasattr(moe, "w2_weight_narrow")
+
+    picked = {}
+
+    def pick(x):
+        for module in (at_limit, head):
+            for num_rows in (FUSED_MAX_ROWS, FUSED_MAX_ROWS + 1):
+                weight, fused = product_weight(module, "weight", num_rows)
+                picked[module, num_rows] = (weight.dtype, fused)
+        return x + 1
+
+    torch.compile(pick, backend="eager", fullgraph=True)(torch.zeros(1))
+    gemm = FUSED_MAX_ROWS + 1
+    assert (
+        picked[at_limit, FUSED_MAX_ROWS]
+        == picked[head, FUSED_MAX_ROWS]
+        == (
+            torch.bfloat16,
+            True,
+        )
+    )
+    assert picked[at_limit, gemm] == (torch.bfloat16, False)  # widened whole, in cache
+    assert picked[head, gemm] == (torch.float32, False)  # too large to widen: the wide weight
+    eager_weight, eager_fused = product_weight(head, "weight", 1)  # outside a captured step
+    assert eager_weight is head.weight and not eager_fused
+
+
+@pytest.mark.parametrize("shape", [((3, 40), (24, 40)), ((4, 2, 16), (4, 8, 16))])
+def test_the_widening_product_is_a_matrix_product(shape):
+    """`widening_product` against `matmul` on the widened weight: plain and batched."""
+    x_shape, w_shape = shape
+    x = torch.randn(x_shape, generator=torch.Generator().manual_seed(0))
+    weight = torch.randn(w_shape, generator=torch.Generator().manual_seed(1)).bfloat16()
+    expected = x @ weight.float().transpose(-1, -2)
+    torch.testing.assert_close(widening_product(x, weight), expected)
