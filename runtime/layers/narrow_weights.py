@@ -47,6 +47,7 @@ The copies cost half the wide weights' memory again.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 
 import torch
@@ -67,29 +68,30 @@ WIDENED_MAX_NUMEL = 1 << 18
 FUSED_MAX_ROWS = 1
 
 
+def _copy_in_capture(module: nn.Module, name: str) -> torch.Tensor | None:
+    """The module's narrow copy of `name` while a step is being captured, else None."""
+    return getattr(module, name + NARROW_SUFFIX, None) if in_capture() else None
+
+
 def weight_for_product(module: nn.Module, name: str) -> torch.Tensor:
     """The tensor a product that widens inside its own kernel should read: the narrow copy
     inside a captured step when the module has one, else the wide weight. Callers widen
     after any gather (`.to(x.dtype)`)."""
-    if in_capture():
-        narrow = getattr(module, name + NARROW_SUFFIX, None)
-        if narrow is not None:
-            return narrow
-    return getattr(module, name)
+    narrow = _copy_in_capture(module, name)
+    return getattr(module, name) if narrow is None else narrow
 
 
 def product_weight(module: nn.Module, name: str, rows: int) -> tuple[torch.Tensor, bool]:
     """The tensor a product over `rows` rows should read, and whether to read it inside a
     reduction (`widening_product`, any copy) rather than widened before an external GEMM
     (a copy up to the module's `narrow_max_numel`, else the wide weight)."""
-    if in_capture():
-        narrow = getattr(module, name + NARROW_SUFFIX, None)
-        if narrow is not None:
-            if rows <= FUSED_MAX_ROWS:
-                return narrow, True
-            limit = getattr(module, "narrow_max_numel", WIDENED_MAX_NUMEL)
-            if limit is None or narrow.numel() <= limit:
-                return narrow, False
+    narrow = _copy_in_capture(module, name)
+    if narrow is not None:
+        if rows <= FUSED_MAX_ROWS:
+            return narrow, True
+        limit = getattr(module, "narrow_max_numel", WIDENED_MAX_NUMEL)
+        if limit is None or narrow.numel() <= limit:
+            return narrow, False
     return getattr(module, name), False
 
 
@@ -113,7 +115,7 @@ def linear_product(
 ) -> torch.Tensor:
     """`F.linear(x, module.<name>, bias)`, reading what `product_weight` picks for the
     number of rows of `x`."""
-    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    rows = math.prod(x.shape[:-1])
     weight, fused = product_weight(module, name, rows)
     if not fused:
         return F.linear(x, weight.to(x.dtype), bias)
