@@ -35,10 +35,11 @@ core's first-level cache while it serves every input row. On a 2-core AVX-512 ma
 cache) a 256 x 256 product took 9.9 against 26.8 us at one row and 19.6 against 32.7 us at
 four, the 4096 x 256 LM head 90 against 177 us at one row and 236 against 335 at four; at
 eight rows the GEMM was level or ahead. Inside a whole step four rows lost nonetheless: with
-the limit at four, a batch-1 NEXTN round (its verify has four rows) took 7.6 against 6.4 ms
-(`bench_one_batch`, median round), as the compiler fused those products into neighbouring
-kernels that then ran slower, while single-row steps gained (a plain step 2.6 against 3.4
-ms). Hence the limit of one row: batch-1 decode steps and draft steps.
+the limit at four, a batch-1 NEXTN round (its verify has four rows) took 7.6 ms by the
+median round of README's `bench_one_batch` command, against 6.4 ms in that command's run a
+day before the change, as the compiler fused those products into neighbouring kernels that
+then ran slower, while single-row steps gained (a plain step 2.6 against 3.4 ms in the same
+two runs). Hence the limit of one row: batch-1 decode steps and draft steps.
 
 A tensor gets a copy only when the copy is lossless (every value round-trips), so an fp32
 checkpoint, or weights a loader dequantised to values bf16 cannot hold, keep the wide path.
