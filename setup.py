@@ -9,7 +9,7 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["runtime", "runtime.*"]),
-    package_data={"runtime": ["assets/**/*"]},
+    package_data={"runtime": ["assets/**/*", "kernels/csrc/*.cpp"]},
     include_package_data=True,
     install_requires=[
         # torch is installed first by .ci/run (CPU build on disk); any recent release works.
@@ -26,6 +26,8 @@ setup(
         "jinja2>=3.1",  # chat templates (transformers renders them with it)
         # structured output (json_schema / regex / ebnf); CPU wheels, as SGLang and vLLM use
         "xgrammar>=0.1.25",
+        # builds the CPU narrow-weight kernel on first use (torch.utils.cpp_extension)
+        "ninja>=1.11",
     ],
     extras_require={
         "test": [

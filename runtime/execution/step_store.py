@@ -20,8 +20,9 @@ What an artifact holds and what it does not:
   would have checked at load time, the file name checks instead: `fingerprint` hashes
   everything the trace could have baked in (torch and Python versions, the CPU's vector ISA,
   dynamo's and inductor's settings, the runtime's source files and the module constants of
-  its model code, the compile options, the model's structure and configuration, the pools'
-  layout, the shapes of the step's arguments). Anything it covers that differs
+  its model code, whether the narrow-weight kernel is loaded, the compile options, the
+  model's structure and configuration, the pools' layout, the shapes of the step's
+  arguments). Anything it covers that differs
   loads nothing and compiles afresh; a loaded step is also checked against the eager step
   on the padding batch before it is used (`outputs_match`).
 """
@@ -42,6 +43,8 @@ from pathlib import Path
 
 import torch
 from torch import nn
+
+from runtime.kernels import narrow_product as narrow_kernel
 
 logger = logging.getLogger(__name__)
 
@@ -95,11 +98,11 @@ def _plain(value) -> bool:
 
 @functools.lru_cache(maxsize=1)
 def source_digest() -> str:
-    """A hash of the runtime package's Python sources: a change to any of them can change
-    what a step traces to."""
+    """A hash of the runtime package's Python and C++ sources: a change to any of them can
+    change what a step traces to or what it calls."""
     root = Path(__file__).resolve().parents[1]
     digest = hashlib.sha256()
-    for path in sorted(root.rglob("*.py")):
+    for path in sorted([*root.rglob("*.py"), *root.rglob("*.cpp")]):
         digest.update(str(path.relative_to(root)).encode())
         digest.update(path.read_bytes())
     return digest.hexdigest()
@@ -158,6 +161,7 @@ def fingerprint(fn: Callable, args: tuple, options: dict, label: str) -> str:
         compiler_settings(),
         source_digest(),
         traced_constants(),
+        narrow_kernel.available(),
         label,
         fn.__code__.co_name,
         describe({k: v for k, v in options.items() if not callable(v)}),

@@ -15,7 +15,12 @@ Where the widening lands decides whether a copy pays. A product the compiler wri
 widens as it loads, so no fp32 copy of the weight ever exists: the routed experts' gathered
 product, and a linear layer's or LM head's product over at most `FUSED_MAX_ROWS` rows
 (`linear_product`), which a captured step computes as a reduction over the input dim
-(`widening_product`) instead of calling an external GEMM. A larger product is an external
+(`widening_product`) instead of calling an external GEMM. Products over up to
+`KERNEL_MAX_ROWS` rows, and the routed experts of small steps, go through the narrow-weight
+kernel (`runtime.kernels.narrow_product`) where it is loaded: it widens in registers too,
+and reads each weight once for all its rows, where the compiler's reduction reads it once
+per row (a batch-1 verify of four rows took 3.0 ms against 4.1 with GEMMs; its micro-
+benchmark is in docs/captured_decode.md section 3). A larger product is an external
 GEMM, for which the compiler first widens the whole copy into an fp32 temporary: that pays
 while the temporary stays in the core's cache (the weight leaves memory as 2 bytes an
 element), and costs more than the wide weight once it does not (2 bytes read, 4 written, 4
@@ -39,7 +44,8 @@ the limit at four, a batch-1 NEXTN round (its verify has four rows) took 7.6 ms 
 median round of README's `bench_one_batch` command, against 6.4 ms in that command's run a
 day before the change, as the compiler fused those products into neighbouring kernels that
 then ran slower, while single-row steps gained (a plain step 2.6 against 3.4 ms in the same
-two runs). Hence the limit of one row: batch-1 decode steps and draft steps.
+two runs). Hence the reduction's limit of one row (batch-1 decode steps and draft steps),
+and the kernel for two rows and more.
 
 A tensor gets a copy only when the copy is lossless (every value round-trips), so an fp32
 checkpoint, or weights a loader dequantised to values bf16 cannot hold, keep the wide path.
@@ -48,6 +54,7 @@ The copies cost half the wide weights' memory again.
 
 from __future__ import annotations
 
+import enum
 import math
 from collections.abc import Iterable
 
@@ -56,6 +63,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from runtime.core.capture import in_capture
+from runtime.kernels import narrow_product as narrow_kernel
 
 NARROW_SUFFIX = "_narrow"
 NARROW_DTYPE = torch.bfloat16
@@ -67,6 +75,9 @@ MIN_NUMEL = 1 << 14
 WIDENED_MAX_NUMEL = 1 << 18
 # products over at most this many rows read the copy inside a reduction the compiler writes
 FUSED_MAX_ROWS = 1
+# products over at most this many rows read the copy through the narrow-weight kernel
+# (`runtime.kernels.narrow_product`) where it is loaded
+KERNEL_MAX_ROWS = 8
 
 
 def _copy_in_capture(module: nn.Module, name: str) -> torch.Tensor | None:
@@ -82,18 +93,40 @@ def weight_for_product(module: nn.Module, name: str) -> torch.Tensor:
     return getattr(module, name) if narrow is None else narrow
 
 
-def product_weight(module: nn.Module, name: str, rows: int) -> tuple[torch.Tensor, bool]:
-    """The tensor a product over `rows` rows should read, and whether to read it inside a
-    reduction (`widening_product`, any copy) rather than widened before an external GEMM
-    (a copy up to the module's `narrow_max_numel`, else the wide weight)."""
+class ProductPath(enum.Enum):
+    """How a product reads its weight (`product_weight`)."""
+
+    GEMM = "an external GEMM over the wide weight or a copy widened first"
+    REDUCTION = "the compiler's reduction over the copy (`widening_product`)"
+    KERNEL = "the narrow-weight kernel over the copy (`narrow_product`)"
+
+
+def product_weight(module: nn.Module, name: str, rows: int) -> tuple[torch.Tensor, ProductPath]:
+    """The tensor a product over `rows` rows should read, and how: a copy inside a
+    reduction up to `FUSED_MAX_ROWS` rows, a copy through the narrow-weight kernel up to
+    `KERNEL_MAX_ROWS` (where it is loaded), else a GEMM over a copy up to the module's
+    `narrow_max_numel` or over the wide weight."""
     narrow = _copy_in_capture(module, name)
     if narrow is not None:
         if rows <= FUSED_MAX_ROWS:
-            return narrow, True
+            return narrow, ProductPath.REDUCTION
+        if rows <= KERNEL_MAX_ROWS and narrow_kernel.available():
+            return narrow, ProductPath.KERNEL
         limit = getattr(module, "narrow_max_numel", WIDENED_MAX_NUMEL)
         if limit is None or narrow.numel() <= limit:
-            return narrow, False
-    return getattr(module, name), False
+            return narrow, ProductPath.GEMM
+    return getattr(module, name), ProductPath.GEMM
+
+
+def experts_kernel_ready(weight: torch.Tensor, x: torch.Tensor) -> bool:
+    """Whether routed experts' products can go through the narrow-weight kernel: `weight` is
+    a copy (`weight_for_product` inside capture), `x` fp32 and the kernel loaded."""
+    return (
+        weight.dtype == NARROW_DTYPE
+        and x.dtype == torch.float32
+        and in_capture()
+        and narrow_kernel.available()
+    )
 
 
 def widening_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -111,16 +144,26 @@ def widening_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return (wide * x.unsqueeze(-3)).sum(-1).transpose(-1, -2)
 
 
+def batched_product(x: torch.Tensor, weight: torch.Tensor, path: ProductPath) -> torch.Tensor:
+    """`x [G, M, K] @ weight [G, N, K]^T -> [G, M, N]` along `path` (`product_weight`)."""
+    if path is ProductPath.REDUCTION:
+        return widening_product(x, weight)
+    if path is ProductPath.KERNEL and x.dtype == torch.float32:
+        return narrow_kernel.narrow_product(x, weight)
+    return torch.bmm(x, weight.to(x.dtype).transpose(1, 2))
+
+
 def linear_product(
     x: torch.Tensor, module: nn.Module, name: str = "weight", bias: torch.Tensor | None = None
 ) -> torch.Tensor:
     """`F.linear(x, module.<name>, bias)`, reading what `product_weight` picks for the
     number of rows of `x`."""
     rows = math.prod(x.shape[:-1])
-    weight, fused = product_weight(module, name, rows)
-    if not fused:
+    weight, path = product_weight(module, name, rows)
+    if path is ProductPath.GEMM or (path is ProductPath.KERNEL and x.dtype != torch.float32):
         return F.linear(x, weight.to(x.dtype), bias)
-    y = widening_product(x.reshape(rows, x.shape[-1]), weight)
+    flat = x.reshape(1, rows, x.shape[-1])
+    y = batched_product(flat, weight.unsqueeze(0), path)
     y = y.reshape(*x.shape[:-1], weight.shape[0])
     return y if bias is None else y + bias
 

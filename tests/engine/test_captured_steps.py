@@ -22,7 +22,7 @@ import torch
 
 from runtime import Engine
 from runtime.cache import PagedTokenAllocator, ReqToTokenPool, SlotTable
-from runtime.configs.capture import DISABLE_ENV, CaptureConfig
+from runtime.configs.capture import DISABLE_ENV, CaptureConfig, default_cache_dir
 from runtime.configs.model_config import ModelConfig
 from runtime.core.forward_mode import CaptureHiddenMode, ForwardMode
 from runtime.engine.capture_warmup import captured_runners
@@ -31,6 +31,7 @@ from runtime.execution import graph_runner as graph_runner_mod
 from runtime.execution.graph_runner import GraphRunner, StepState, draft_round_function
 from runtime.execution.model_runner import ModelInput, ModelRunner
 from runtime.kernels import grouped_gemm as grouped_gemm_mod
+from runtime.kernels import narrow_product as narrow_kernel
 from runtime.layers.moe import experts as experts_mod
 from runtime.layers.narrow_weights import attach_narrow_copies
 from runtime.model_loader.build import load_model
@@ -200,11 +201,16 @@ def checkpoint_of(family: str, request):
     return request.getfixturevalue("v4_mtp" if family == "deepseek_v4" else "qwen_mtp")
 
 
+@pytest.mark.parametrize("narrow", [False, True])
 @pytest.mark.parametrize("family", ["deepseek_v4", "qwen4_exp"])
-def test_decode_verify_and_draft_steps_trace_to_one_graph(family, request, monkeypatch):
-    # the routed experts' sorted form from the verify's pairs on (gathered below them)
+def test_decode_verify_and_draft_steps_trace_to_one_graph(family, narrow, request, monkeypatch):
+    """`narrow`: the weights have bf16 copies and the narrow-weight kernel is loaded, so
+    the products take the reduction, the kernel and the experts' narrow form; otherwise the
+    GEMMs and the experts' gathered form, and their sorted form from the verify's pairs on."""
     monkeypatch.setattr(experts_mod, "SORTED_MIN_PAIRS", BUCKET * 4 * 2)
-    table, target, drafter = make_runners(checkpoint_of(family, request)[0])
+    if narrow and not narrow_kernel.load(default_cache_dir()):
+        pytest.skip("the narrow-weight kernel cannot be built here")
+    table, target, drafter = make_runners(checkpoint_of(family, request)[0], narrow=narrow)
     target_steps, draft_steps = nextn_step_inputs(table, target, drafter)
     for inp in target_steps.values():
         assert_one_graph(target, inp)
@@ -254,7 +260,12 @@ def state_rewind(pool):
 
 @pytest.mark.parametrize(
     "family,moe_form",
-    [("deepseek_v4", "gathered"), ("deepseek_v4", "sorted"), ("qwen4_exp", "gathered")],
+    [
+        ("deepseek_v4", "narrow"),
+        ("deepseek_v4", "gathered"),
+        ("deepseek_v4", "sorted"),
+        ("qwen4_exp", "narrow"),
+    ],
 )
 def test_captured_decode_matches_eager_logits_with_padding_and_churn(
     family, moe_form, request, monkeypatch
@@ -264,8 +275,13 @@ def test_captured_decode_matches_eager_logits_with_padding_and_churn(
     key blocks with QSA's selection active; one live request pads into bucket 4 while its own
     bucket 1 is compiling): each captured step's logits equal the eager step's on the same
     caches. The weights hold bf16 values, so the captured step reads their bf16 copies.
-    `moe_form`: the routed experts' form in the captured step (bucket 4's 8 pairs are
-    below `SORTED_MIN_PAIRS`; "sorted" lowers it)."""
+    `moe_form`: the routed experts' form in the captured step (bucket 4's 8 pairs take the
+    narrow-weight kernel; "gathered" and "sorted" turn it off, "sorted" lowers
+    `SORTED_MIN_PAIRS` below them). Products of up to 8 rows take the kernel too."""
+    if moe_form == "narrow" and not narrow_kernel.load(default_cache_dir()):
+        pytest.skip("the narrow-weight kernel cannot be built here")
+    if moe_form != "narrow":
+        monkeypatch.setattr(experts_mod, "KERNEL_MAX_PAIRS", 0)
     if moe_form == "sorted":
         monkeypatch.setattr(experts_mod, "SORTED_MIN_PAIRS", BUCKET * 2)
     grouped = []  # grouped GEMMs run by the experts' sorted form (the custom op's body)

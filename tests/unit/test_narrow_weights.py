@@ -8,17 +8,23 @@ from __future__ import annotations
 import pytest
 import torch
 
+from runtime.configs.capture import default_cache_dir
+from runtime.kernels import narrow_product as narrow_kernel
 from runtime.layers.embedding import ParallelLMHead
 from runtime.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from runtime.layers.moe.experts import FusedMoEExperts
 from runtime.layers.narrow_weights import (
     FUSED_MAX_ROWS,
+    KERNEL_MAX_ROWS,
     MIN_NUMEL,
     WIDENED_MAX_NUMEL,
+    ProductPath,
     attach_narrow_copies,
     product_weight,
     widening_product,
 )
+
+KERNEL = narrow_kernel.load(default_cache_dir())
 
 
 def bf16_valued(shape, seed=0):
@@ -46,8 +52,21 @@ def test_copies_only_where_lossless_large_and_once_per_shared_tensor():
     assert tiny.weight.numel() < MIN_NUMEL <= exact.weight.numel()
 
 
-@pytest.mark.parametrize("num_rows", [FUSED_MAX_ROWS, FUSED_MAX_ROWS + 2])
-def test_compiled_products_read_the_copies_and_equal_the_wide_ones(num_rows):
+@pytest.mark.parametrize(
+    "num_rows,kernel",
+    [
+        (FUSED_MAX_ROWS, True),  # the compiler's reduction
+        (FUSED_MAX_ROWS + 2, True),  # the narrow-weight kernel
+        (FUSED_MAX_ROWS + 2, False),  # no kernel: widened before GEMMs
+        (KERNEL_MAX_ROWS + 1, True),  # widened before GEMMs, the experts in the kernel
+    ],
+)
+def test_compiled_products_read_the_copies_and_equal_the_wide_ones(num_rows, kernel, monkeypatch):
+    if kernel and not KERNEL:
+        pytest.skip("the narrow-weight kernel cannot be built")
+    monkeypatch.setitem(narrow_kernel._state, "available", kernel)
+    # every product a GEMM (the routed experts take the kernel at any row count)
+    gemm = num_rows > FUSED_MAX_ROWS and not kernel
     torch.manual_seed(0)
     hidden, inter, experts = 64, 128, 8
     column = ColumnParallelLinear(hidden, 2 * inter)
@@ -61,13 +80,16 @@ def test_compiled_products_read_the_copies_and_equal_the_wide_ones(num_rows):
     def step(x, topk_weights, topk_ids):
         gate_up = column(x)
         y = row(torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:])
-        y = y + moe.forward_gathered(x, topk_weights, topk_ids)
+        # captured over copies with the kernel loaded the experts take it, else gathered
+        experts = moe.forward_narrow if moe.kernel_ready(x) else moe.forward_gathered
+        y = y + experts(x, topk_weights, topk_ids)
         return head.compute_logits(y)
 
-    seen_dtypes = set()
+    seen_dtypes, kernel_calls = set(), []
 
     def recording_backend(gm, example_inputs):
         seen_dtypes.update(t.dtype for t in example_inputs if isinstance(t, torch.Tensor))
+        kernel_calls.extend(n for n in gm.graph.nodes if "narrow_product" in str(n.target))
         return gm.forward
 
     x = bf16_valued((num_rows, hidden), seed=7)
@@ -85,7 +107,12 @@ def test_compiled_products_read_the_copies_and_equal_the_wide_ones(num_rows):
         torch._dynamo.reset()
         narrow = torch.compile(step, dynamic=False)(x, topk_weights, topk_ids)
     assert torch.bfloat16 in seen_dtypes  # the graph's weight inputs are the narrow copies
-    if num_rows > FUSED_MAX_ROWS:  # widened before the same GEMMs: the same math, bit for bit
+    # the kernel: both expert products, and within its row range the column layer and the
+    # head (the row layer's 8K elements are below `MIN_NUMEL`: no copy)
+    assert not hasattr(row, "weight_narrow")
+    linears = 2 if FUSED_MAX_ROWS < num_rows <= KERNEL_MAX_ROWS else 0
+    assert len(kernel_calls) == ((2 + linears) if kernel else 0)
+    if gemm:  # widened before the same GEMMs: the same math, bit for bit
         torch.testing.assert_close(traced, eager, rtol=0, atol=0)
     torch.testing.assert_close(traced, eager)
     # the compiler may fuse the widening into its own loops: rounding-level differences
@@ -93,12 +120,17 @@ def test_compiled_products_read_the_copies_and_equal_the_wide_ones(num_rows):
     torch.testing.assert_close(narrow, eager)
 
 
-def test_products_widened_before_a_gemm_keep_large_weights_wide():
-    """A GEMM over more than `FUSED_MAX_ROWS` rows widens its whole copy into an fp32
-    temporary first, which pays only while that temporary fits a core's cache: above
-    `WIDENED_MAX_NUMEL` (the default model's 4096 x 256 head) it reads the wide weight.
-    Products of fewer rows, and the routed experts' at any size, widen inside their own
-    kernel, so every size gets a copy and they read it."""
+@pytest.mark.parametrize("kernel", [True, False])
+def test_products_pick_their_path_by_rows_and_size(kernel, monkeypatch):
+    """Up to `FUSED_MAX_ROWS` rows a product reads its copy in the compiler's reduction, up
+    to `KERNEL_MAX_ROWS` through the narrow-weight kernel where it is loaded. A GEMM over
+    more rows widens its whole copy into an fp32 temporary first, which pays only while that
+    temporary fits a core's cache: above `WIDENED_MAX_NUMEL` (the default model's 4096 x
+    256 head) it reads the wide weight. Products that widen inside their own kernel (the
+    routed experts') read a copy of any size, so every size gets one."""
+    if kernel and not KERNEL:
+        pytest.skip("the narrow-weight kernel cannot be built")
+    monkeypatch.setitem(narrow_kernel._state, "available", kernel)
     rows = WIDENED_MAX_NUMEL // 64
     at_limit = ReplicatedLinear(64, rows)
     at_limit.weight.data = bf16_valued((rows, 64))
@@ -113,28 +145,30 @@ def test_products_widened_before_a_gemm_keep_large_weights_wide():
     assert hasattr(moe, "w13_weight_narrow") and hasattr(moe, "w2_weight_narrow")
 
     picked = {}
+    row_counts = (FUSED_MAX_ROWS, FUSED_MAX_ROWS + 1, KERNEL_MAX_ROWS, KERNEL_MAX_ROWS + 1)
 
     def pick(x):
         for module in (at_limit, head):
-            for num_rows in (FUSED_MAX_ROWS, FUSED_MAX_ROWS + 1):
-                weight, fused = product_weight(module, "weight", num_rows)
-                picked[module, num_rows] = (weight.dtype, fused)
+            for num_rows in row_counts:
+                weight, path = product_weight(module, "weight", num_rows)
+                picked[module, num_rows] = (weight.dtype, path)
         return x + 1
 
     torch.compile(pick, backend="eager", fullgraph=True)(torch.zeros(1))
-    gemm = FUSED_MAX_ROWS + 1
-    assert (
-        picked[at_limit, FUSED_MAX_ROWS]
-        == picked[head, FUSED_MAX_ROWS]
-        == (
-            torch.bfloat16,
-            True,
-        )
-    )
-    assert picked[at_limit, gemm] == (torch.bfloat16, False)  # widened whole, in cache
-    assert picked[head, gemm] == (torch.float32, False)  # too large to widen: the wide weight
-    eager_weight, eager_fused = product_weight(head, "weight", 1)  # outside a captured step
-    assert eager_weight is head.weight and not eager_fused
+    for module in (at_limit, head):
+        assert picked[module, FUSED_MAX_ROWS] == (torch.bfloat16, ProductPath.REDUCTION)
+    for num_rows in (FUSED_MAX_ROWS + 1, KERNEL_MAX_ROWS):
+        if kernel:
+            assert picked[at_limit, num_rows] == (torch.bfloat16, ProductPath.KERNEL)
+            assert picked[head, num_rows] == (torch.bfloat16, ProductPath.KERNEL)
+        else:
+            assert picked[at_limit, num_rows] == (torch.bfloat16, ProductPath.GEMM)
+            assert picked[head, num_rows] == (torch.float32, ProductPath.GEMM)
+    gemm = KERNEL_MAX_ROWS + 1
+    assert picked[at_limit, gemm] == (torch.bfloat16, ProductPath.GEMM)  # widened, in cache
+    assert picked[head, gemm] == (torch.float32, ProductPath.GEMM)  # too large to widen
+    eager_weight, eager_path = product_weight(head, "weight", 1)  # outside a captured step
+    assert eager_weight is head.weight and eager_path is ProductPath.GEMM
 
 
 @pytest.mark.parametrize("shape", [((3, 40), (24, 40)), ((4, 2, 16), (4, 8, 16))])

@@ -49,7 +49,7 @@ from runtime.layers.linear import (
     ReplicatedLinear,
     RowParallelLinear,
 )
-from runtime.layers.narrow_weights import product_weight, widening_product
+from runtime.layers.narrow_weights import batched_product, product_weight
 from runtime.layers.norm import RMSNorm, WeightlessRMSNorm
 from runtime.layers.position_ring import gather_ring
 from runtime.layers.rotary import RotaryEmbedding
@@ -411,9 +411,6 @@ class DeepseekV4Attention(nn.Module):
     def _grouped_wo_a(self, out: torch.Tensor) -> torch.Tensor:
         """Group g (heads `g*H/G .. (g+1)*H/G - 1`) goes through its own `o_lora_rank` block."""
         grouped = out.reshape(out.shape[0], self.o_groups, -1).transpose(0, 1)
-        w, fused = product_weight(self.wo_a, "weight", out.shape[0])
+        w, path = product_weight(self.wo_a, "weight", out.shape[0])
         w = w.view(self.o_groups, self.o_lora_rank, -1)
-        if fused:
-            return widening_product(grouped, w).transpose(0, 1).flatten(1)
-        w = w.to(out.dtype)
-        return torch.bmm(grouped, w.transpose(1, 2)).transpose(0, 1).flatten(1)
+        return batched_product(grouped, w, path).transpose(0, 1).flatten(1)

@@ -17,6 +17,10 @@ Two formulations of this rank's piece, summed the same way.
   gathered per pair, a batched GEMM of fixed shape `[T * k]` (no sort, no counts). On CPU
   the compiler fuses the gather into the product: fewer operators, so faster while there
   are few pairs, but each pair reads its expert's weights again.
+* Narrow (captured steps on CPU up to `KERNEL_MAX_PAIRS` pairs, where the narrow-weight
+  kernel is loaded and the weights have bf16 copies): the gathered formulation's shapes,
+  but the kernel (`runtime.kernels.narrow_product`) groups the pairs by expert itself, so
+  each chosen expert's bf16 copy is read once for all its pairs.
 Eagerly, pairs routed to another rank's experts are dropped; in a captured step they weigh
 zero (the shapes stay fixed).
 """
@@ -30,7 +34,8 @@ from torch import nn
 from runtime.core.capture import in_capture
 from runtime.distributed import ParallelGroup, all_reduce
 from runtime.kernels.grouped_gemm import grouped_gemm_op
-from runtime.layers.narrow_weights import weight_for_product
+from runtime.kernels.narrow_product import narrow_product
+from runtime.layers.narrow_weights import experts_kernel_ready, weight_for_product
 from runtime.layers.weight_utils import (
     WeightShapeError,
     copy_checked,
@@ -45,6 +50,11 @@ _SINGLE = ParallelGroup()
 # 0.60 / 1.11 / 3.94 ms against sorted 0.53 / 0.62 / 0.77 / 1.77 ms at 32 / 64 / 128 / 512
 # pairs (a one-off probe of both forms compiled alone).
 SORTED_MIN_PAIRS = 64
+# Up to this many pairs a captured step on CPU goes through the narrow-weight kernel where
+# it is loaded (`forward_narrow`). The same probe's layer over eight layers' weights in turn
+# (one thread): kernel 0.03 / 0.06 / 0.12 / 0.19 / 0.33 / 1.19 ms against sorted fp32
+# 0.06 / 0.12 / 0.22 / 0.29 / 0.40 / 0.82 ms at 2 / 8 / 32 / 64 / 128 / 512 pairs.
+KERNEL_MAX_PAIRS = 128
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float | None) -> torch.Tensor:
@@ -159,6 +169,8 @@ class FusedMoEExperts(nn.Module):
         """`x [T, H]`, `topk_weights/ids [T, k]` -> `sum_k w_k * expert_{id_k}(x)`, `[T, H]`."""
         if not in_capture():
             piece = self.forward_sorted(x, topk_weights, topk_ids, fixed_shape=False)
+        elif topk_ids.numel() <= KERNEL_MAX_PAIRS and self.kernel_ready(x):
+            piece = self.forward_narrow(x, topk_weights, topk_ids)
         elif x.device.type == "cpu" and topk_ids.numel() >= SORTED_MIN_PAIRS:
             piece = self.forward_sorted(x, topk_weights, topk_ids, fixed_shape=True)
         else:
@@ -222,4 +234,28 @@ class FusedMoEExperts(nn.Module):
         hidden = swiglu(gate, up, self.swiglu_limit)
         w2 = weight_for_product(self, "w2_weight")[local].to(x.dtype)
         down = torch.bmm(hidden, w2.transpose(1, 2)).view(num_tokens, top_k, -1)
+        return (down * weights.view(num_tokens, top_k, 1).to(down.dtype)).sum(dim=1)
+
+    def kernel_ready(self, x: torch.Tensor) -> bool:
+        """Whether this step's products can go through the narrow-weight kernel (inside a
+        captured step, over the bf16 copies)."""
+        return all(
+            experts_kernel_ready(weight_for_product(self, name), x)
+            for name in ("w13_weight", "w2_weight")
+        )
+
+    def forward_narrow(
+        self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """The gathered formulation through the narrow-weight kernel (`kernel_ready`), which
+        serves every pair routed to an expert together: each chosen expert's copy is read
+        once per step, not once per pair."""
+        num_tokens, top_k = topk_ids.shape
+        local, weights, _ = self._local_pairs(topk_weights, topk_ids, fixed_shape=True)
+        rows = x.unsqueeze(1).expand(num_tokens, top_k, x.shape[-1]).reshape(-1, 1, x.shape[-1])
+        gate_up = narrow_product(rows, weight_for_product(self, "w13_weight"), local)
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
+        hidden = swiglu(gate, up, self.swiglu_limit).contiguous()
+        down = narrow_product(hidden, weight_for_product(self, "w2_weight"), local)
+        down = down.view(num_tokens, top_k, -1)
         return (down * weights.view(num_tokens, top_k, 1).to(down.dtype)).sum(dim=1)
