@@ -55,7 +55,7 @@ from runtime.distributed.replica import patient_collectives
 from runtime.execution import step_store
 from runtime.execution.compile_worker import CompileWorker
 from runtime.execution.step_store import StepStore, fingerprint, outputs_match, precompile
-from runtime.kernels import narrow_product as narrow_kernel
+from runtime.kernels import cpu_extension
 from runtime.layers import hyper_connection
 
 logger = logging.getLogger(__name__)
@@ -596,8 +596,8 @@ class GraphRunner:
                 patient_collectives(),
             ):
                 self.configure_regions()
-                if not self.cuda and self.config.narrow_weights:
-                    narrow_kernel.load(self.config.resolved_cache_dir())
+                if not self.cuda:
+                    cpu_extension.load(self.config.resolved_cache_dir())
                 args = self._padding_args(step)
                 if self.cuda:
                     self._capture_cuda_graph(step, args)

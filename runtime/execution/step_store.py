@@ -20,7 +20,7 @@ What an artifact holds and what it does not:
   would have checked at load time, the file name checks instead: `fingerprint` hashes
   everything the trace could have baked in (torch and Python versions, the CPU's vector ISA,
   dynamo's and inductor's settings, the runtime's source files and the module constants of
-  its model code, whether the narrow-weight kernel is loaded, the compile options, the
+  its model code, whether the C++ CPU kernels are loaded, the compile options, the
   model's structure and configuration, the pools' layout, the shapes of the step's
   arguments). Anything it covers that differs
   loads nothing and compiles afresh; a loaded step is also checked against the eager step
@@ -44,7 +44,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from runtime.kernels import narrow_product as narrow_kernel
+from runtime.kernels import cpu_extension
 
 logger = logging.getLogger(__name__)
 
@@ -161,7 +161,7 @@ def fingerprint(fn: Callable, args: tuple, options: dict, label: str) -> str:
         compiler_settings(),
         source_digest(),
         traced_constants(),
-        narrow_kernel.available(),
+        cpu_extension.available(),
         label,
         fn.__code__.co_name,
         describe({k: v for k, v in options.items() if not callable(v)}),

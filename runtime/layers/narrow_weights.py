@@ -63,7 +63,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from runtime.core.capture import in_capture
-from runtime.kernels import narrow_product as narrow_kernel
+from runtime.kernels import cpu_extension
+from runtime.kernels.narrow_product import narrow_product
 
 NARROW_SUFFIX = "_narrow"
 NARROW_DTYPE = torch.bfloat16
@@ -110,7 +111,7 @@ def product_weight(module: nn.Module, name: str, rows: int) -> tuple[torch.Tenso
     if narrow is not None:
         if rows <= FUSED_MAX_ROWS:
             return narrow, ProductPath.REDUCTION
-        if rows <= KERNEL_MAX_ROWS and narrow_kernel.available():
+        if rows <= KERNEL_MAX_ROWS and cpu_extension.available():
             return narrow, ProductPath.KERNEL
         limit = getattr(module, "narrow_max_numel", WIDENED_MAX_NUMEL)
         if limit is None or narrow.numel() <= limit:
@@ -125,7 +126,7 @@ def experts_kernel_ready(weight: torch.Tensor, x: torch.Tensor) -> bool:
         weight.dtype == NARROW_DTYPE
         and x.dtype == torch.float32
         and in_capture()
-        and narrow_kernel.available()
+        and cpu_extension.available()
     )
 
 
@@ -149,7 +150,7 @@ def batched_product(x: torch.Tensor, weight: torch.Tensor, path: ProductPath) ->
     if path is ProductPath.REDUCTION:
         return widening_product(x, weight)
     if path is ProductPath.KERNEL and x.dtype == torch.float32:
-        return narrow_kernel.narrow_product(x, weight)
+        return narrow_product(x, weight)
     return torch.bmm(x, weight.to(x.dtype).transpose(1, 2))
 
 

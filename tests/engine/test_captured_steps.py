@@ -30,8 +30,8 @@ from runtime.execution import compile_worker
 from runtime.execution import graph_runner as graph_runner_mod
 from runtime.execution.graph_runner import GraphRunner, StepState, draft_round_function
 from runtime.execution.model_runner import ModelInput, ModelRunner
+from runtime.kernels import cpu_extension
 from runtime.kernels import grouped_gemm as grouped_gemm_mod
-from runtime.kernels import narrow_product as narrow_kernel
 from runtime.layers.moe import experts as experts_mod
 from runtime.layers.narrow_weights import attach_narrow_copies
 from runtime.model_loader.build import load_model
@@ -208,7 +208,7 @@ def test_decode_verify_and_draft_steps_trace_to_one_graph(family, narrow, reques
     the products take the reduction, the kernel and the experts' narrow form; otherwise the
     GEMMs and the experts' gathered form, and their sorted form from the verify's pairs on."""
     monkeypatch.setattr(experts_mod, "SORTED_MIN_PAIRS", BUCKET * 4 * 2)
-    if narrow and not narrow_kernel.load(default_cache_dir()):
+    if narrow and not cpu_extension.load(default_cache_dir()):
         pytest.skip("the narrow-weight kernel cannot be built here")
     table, target, drafter = make_runners(checkpoint_of(family, request)[0], narrow=narrow)
     target_steps, draft_steps = nextn_step_inputs(table, target, drafter)
@@ -278,7 +278,7 @@ def test_captured_decode_matches_eager_logits_with_padding_and_churn(
     `moe_form`: the routed experts' form in the captured step (bucket 4's 8 pairs take the
     narrow-weight kernel; "gathered" and "sorted" turn it off, "sorted" lowers
     `SORTED_MIN_PAIRS` below them). Products of up to 8 rows take the kernel too."""
-    if moe_form == "narrow" and not narrow_kernel.load(default_cache_dir()):
+    if moe_form == "narrow" and not cpu_extension.load(default_cache_dir()):
         pytest.skip("the narrow-weight kernel cannot be built here")
     if moe_form != "narrow":
         monkeypatch.setattr(experts_mod, "KERNEL_MAX_PAIRS", 0)

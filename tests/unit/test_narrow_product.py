@@ -10,12 +10,13 @@ import pytest
 import torch
 
 from runtime.configs.capture import default_cache_dir
+from runtime.kernels import cpu_extension
 from runtime.kernels import narrow_product as kernel
 
 
 @pytest.fixture(scope="module", autouse=True)
 def loaded():
-    if not kernel.load(default_cache_dir()):
+    if not cpu_extension.load(default_cache_dir()):
         pytest.skip("the narrow-weight kernel cannot be built here")
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from runtime.configs.capture import default_cache_dir
-from runtime.kernels import narrow_product as narrow_kernel
+from runtime.kernels import cpu_extension
 from runtime.layers.embedding import ParallelLMHead
 from runtime.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from runtime.layers.moe.experts import FusedMoEExperts
@@ -24,7 +24,7 @@ from runtime.layers.narrow_weights import (
     widening_product,
 )
 
-KERNEL = narrow_kernel.load(default_cache_dir())
+KERNEL = cpu_extension.load(default_cache_dir())
 
 
 def bf16_valued(shape, seed=0):
@@ -64,7 +64,7 @@ def test_copies_only_where_lossless_large_and_once_per_shared_tensor():
 def test_compiled_products_read_the_copies_and_equal_the_wide_ones(num_rows, kernel, monkeypatch):
     if kernel and not KERNEL:
         pytest.skip("the narrow-weight kernel cannot be built")
-    monkeypatch.setitem(narrow_kernel._state, "available", kernel)
+    monkeypatch.setitem(cpu_extension._state, "available", kernel)
     # every product a GEMM (the routed experts take the kernel at any row count)
     gemm = num_rows > FUSED_MAX_ROWS and not kernel
     torch.manual_seed(0)
@@ -130,7 +130,7 @@ def test_products_pick_their_path_by_rows_and_size(kernel, monkeypatch):
     routed experts') read a copy of any size, so every size gets one."""
     if kernel and not KERNEL:
         pytest.skip("the narrow-weight kernel cannot be built")
-    monkeypatch.setitem(narrow_kernel._state, "available", kernel)
+    monkeypatch.setitem(cpu_extension._state, "available", kernel)
     rows = WIDENED_MAX_NUMEL // 64
     at_limit = ReplicatedLinear(64, rows)
     at_limit.weight.data = bf16_valued((rows, 64))

@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <tuple>
 #include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
@@ -222,10 +223,46 @@ at::Tensor narrow_product(const at::Tensor& x, const at::Tensor& weight,
   return out;
 }
 
+// nextn::indexer_topk's body (runtime/kernels/indexer_topk.py) as ATen calls, so that a
+// compiled step calls it without Python: the same operations in the same order, so the
+// same indices, ties included.
+std::tuple<at::Tensor, at::Tensor> indexer_topk(const at::Tensor& scores,
+                                                const at::Tensor& lengths,
+                                                const at::Tensor& visible, int64_t k) {
+  const int64_t rows = scores.size(0), width = scores.size(1);
+  if (width <= k) {  // everything fits: the selection is every entry (padded to k)
+    at::Tensor indices =
+        at::arange(k, scores.options().dtype(at::kLong)).expand({rows, k}).contiguous();
+    return {indices, indices.lt(visible.unsqueeze(1))};
+  }
+  auto top = scores.topk(k + 1, 1);
+  at::Tensor values = std::get<0>(top);
+  at::Tensor indices = std::get<1>(top).narrow(1, 0, k).contiguous();
+  at::Tensor tied = values.select(1, k - 1).eq(values.select(1, k)).logical_and(visible.gt(k));
+  if (tied.any().item<bool>()) {
+    at::Tensor tied_rows = tied.nonzero().squeeze(1);
+    at::Tensor tied_lengths = lengths.index_select(0, tied_rows);
+    at::Tensor unique = std::get<0>(at::_unique(tied_lengths, /*sorted=*/true));
+    auto* first = unique.to(at::kLong).contiguous().data_ptr<int64_t>();
+    for (int64_t i = 0; i < unique.numel(); ++i) {
+      const int64_t length = first[i];
+      at::Tensor group = tied_rows.masked_select(tied_lengths.eq(length));
+      at::Tensor picked = std::get<1>(scores.index_select(0, group).narrow(1, 0, length).topk(k, 1));
+      indices.index_put_({group}, picked);
+    }
+  }
+  indices = std::get<0>(indices.sort(1));
+  return {indices, indices.lt(visible.unsqueeze(1))};
+}
+
 }  // namespace
 
 TORCH_LIBRARY(nextn_cpu, m) {
   m.def("narrow_product(Tensor x, Tensor weight, Tensor? index=None) -> Tensor");
+  m.def("indexer_topk(Tensor scores, Tensor lengths, Tensor visible, int k) -> (Tensor, Tensor)");
 }
 
-TORCH_LIBRARY_IMPL(nextn_cpu, CPU, m) { m.impl("narrow_product", &narrow_product); }
+TORCH_LIBRARY_IMPL(nextn_cpu, CPU, m) {
+  m.impl("narrow_product", &narrow_product);
+  m.impl("indexer_topk", &indexer_topk);
+}

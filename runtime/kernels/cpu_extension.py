@@ -1,0 +1,100 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The project's C++ CPU kernels (`csrc/nextn_cpu.cpp`), built on first use.
+
+Two operators under the `nextn_cpu` namespace, each with a fake implementation so a
+compiled step holds it as one opaque node, which inductor's C++ wrapper calls through the
+dispatcher without Python (SGLang's CPU kernels, `sgl-kernel/csrc/cpu`, are registered as
+torch ops the same way):
+
+* `narrow_product`: products of a few fp32 rows with bf16 weights
+  (`runtime.kernels.narrow_product`);
+* `indexer_topk`: the indexer's top-k with transformers' ties
+  (`runtime.kernels.indexer_topk`), the same ATen calls as its Python body.
+
+`load` builds the extension with `torch.utils.cpp_extension` (about 20 s once per machine,
+then loaded from its build directory) and registers the fakes; the graph runner calls it
+in its compile worker before a CPU step's first trace. Where it cannot be built (no
+compiler, no ninja) every caller keeps its other path (`available()` is False);
+`NEXTN_DISABLE_CPU_KERNELS=1` leaves it unbuilt.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).resolve().parent / "csrc" / "nextn_cpu.cpp"
+DISABLE_ENV = "NEXTN_DISABLE_CPU_KERNELS"
+# the instruction sets the kernels are built for, by what this torch build dispatches to
+ISA_FLAGS = {
+    "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx2", "-mfma"],
+    "AVX2": ["-mavx2", "-mfma"],
+}
+_lock = threading.Lock()
+_state: dict[str, bool] = {"tried": False, "available": False}
+
+
+def available() -> bool:
+    """Whether the kernels are loaded in this process (`load` tried and succeeded)."""
+    return _state["available"]
+
+
+def load(cache_dir: Path | str | None = None) -> bool:
+    """Build (once per machine) and load the kernels; later calls return at once. Returns
+    whether they are available. The build directory is under `cache_dir` (default torch's
+    extension directory), one per instruction set and source."""
+    with _lock:
+        if _state["tried"]:
+            return _state["available"]
+        _state["tried"] = True
+        if os.environ.get(DISABLE_ENV):
+            return False
+        start = time.perf_counter()
+        try:
+            _build(cache_dir)
+        except Exception as err:  # no compiler, no ninja, an unknown platform
+            logger.warning("C++ CPU kernels unavailable, their callers use torch: %s", err)
+            return False
+        _state["available"] = True
+        logger.info("C++ CPU kernels ready in %.1f s", time.perf_counter() - start)
+        return True
+
+
+def _build(cache_dir: Path | str | None) -> None:
+    from torch.utils import cpp_extension
+
+    isa = torch.backends.cpu.get_cpu_capability()
+    flags = ["-O3", *ISA_FLAGS.get(isa, [])]
+    tag = hashlib.sha256(SOURCE.read_bytes() + repr(flags).encode()).hexdigest()[:12]
+    name = f"nextn_cpu_{isa.lower()}_{tag}"
+    build_dir = None
+    if cache_dir is not None:
+        build_dir = Path(cache_dir) / "kernels" / name
+        build_dir.mkdir(parents=True, exist_ok=True)
+    cpp_extension.load(
+        name=name,
+        sources=[str(SOURCE)],
+        extra_cflags=flags,
+        build_directory=None if build_dir is None else str(build_dir),
+        is_python_module=False,
+        verbose=False,
+    )
+    torch.library.register_fake("nextn_cpu::narrow_product")(_narrow_product_fake)
+    torch.library.register_fake("nextn_cpu::indexer_topk")(_indexer_topk_fake)
+
+
+def _narrow_product_fake(x, weight, index=None):
+    return x.new_empty((x.shape[0], x.shape[1], weight.shape[1]))
+
+
+def _indexer_topk_fake(scores, lengths, visible, k):
+    shape = (scores.shape[0], k)
+    return scores.new_empty(shape, dtype=torch.long), scores.new_empty(shape, dtype=torch.bool)
