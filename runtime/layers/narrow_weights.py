@@ -146,7 +146,8 @@ def widening_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def batched_product(x: torch.Tensor, weight: torch.Tensor, path: ProductPath) -> torch.Tensor:
-    """`x [G, M, K] @ weight [G, N, K]^T -> [G, M, N]` along `path` (`product_weight`)."""
+    """`x [G, M, K] @ weight [G, N, K]^T -> [G, M, N]` along `path` (`product_weight`; the
+    kernel takes fp32 rows only, others a batched GEMM)."""
     if path is ProductPath.REDUCTION:
         return widening_product(x, weight)
     if path is ProductPath.KERNEL and x.dtype == torch.float32:
@@ -161,7 +162,7 @@ def linear_product(
     number of rows of `x`."""
     rows = math.prod(x.shape[:-1])
     weight, path = product_weight(module, name, rows)
-    if path is ProductPath.GEMM or (path is ProductPath.KERNEL and x.dtype != torch.float32):
+    if path is ProductPath.GEMM:
         return F.linear(x, weight.to(x.dtype), bias)
     flat = x.reshape(1, rows, x.shape[-1])
     y = batched_product(flat, weight.unsqueeze(0), path)
