@@ -1,12 +1,15 @@
 // SPDX-License-Identifier: Apache-2.0
-// nextn::narrow_product: out[g] = x[g] @ weight[index[g]]^T for a few rows, reading the
-// bf16 weight once and widening it in registers (runtime/kernels/narrow_product.py).
+// The project's C++ CPU kernels (runtime/kernels/cpu_extension.py builds and loads them).
 //
+// nextn_cpu::narrow_product: out[g] = x[g] @ weight[index[g]]^T for a few rows, reading the
+// bf16 weight once and widening it in registers (runtime/kernels/narrow_product.py).
 // x [G, M, K] fp32, weight [E, N, K] bf16, index [G] int64 -> out [G, M, N] fp32.
 // Each block of weight rows is loaded and widened once per K chunk and multiplied into
 // the accumulators of every input row that reads it (up to 8 per pass, all groups with
-// the same index together), so extra rows cost arithmetic, not bytes.
-// Built for the host it runs on (-march=native); without AVX-512 or AVX2 a scalar loop.
+// the same index together), so extra rows cost arithmetic, not bytes. Built for the
+// instruction set torch dispatches to (AVX-512 or AVX2); without either, a scalar loop.
+//
+// nextn_cpu::indexer_topk: runtime/kernels/indexer_topk.py's op body as ATen calls.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
