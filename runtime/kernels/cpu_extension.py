@@ -38,6 +38,10 @@ ISA_FLAGS = {
     "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx2", "-mfma"],
     "AVX2": ["-mavx2", "-mfma"],
 }
+# torch's builder waits for as long as a build directory's `lock` file exists; one left by
+# a process killed mid-build would stall every later start, so a lock older than this
+# (a build takes about 20 s here) is taken as stale and removed
+STALE_LOCK_SECONDS = 300.0
 _lock = threading.Lock()
 _state: dict[str, bool] = {"tried": False, "available": False}
 
@@ -79,6 +83,7 @@ def _build(cache_dir: Path | str | None) -> None:
     if cache_dir is not None:
         build_dir = Path(cache_dir) / "kernels" / name
         build_dir.mkdir(parents=True, exist_ok=True)
+        wait_for_build_lock(build_dir / "lock")
     cpp_extension.load(
         name=name,
         sources=[str(SOURCE)],
@@ -89,6 +94,23 @@ def _build(cache_dir: Path | str | None) -> None:
     )
     torch.library.register_fake("nextn_cpu::narrow_product")(_narrow_product_fake)
     torch.library.register_fake("nextn_cpu::indexer_topk")(_indexer_topk_fake)
+
+
+def wait_for_build_lock(
+    lock: Path, stale_after: float = STALE_LOCK_SECONDS, poll: float = 0.5
+) -> None:
+    """Return once `lock` is gone: another process's build finished, or the lock is older
+    than `stale_after` seconds (its builder died), in which case it is removed."""
+    while True:
+        try:
+            age = time.time() - lock.stat().st_mtime
+        except FileNotFoundError:
+            return
+        if age > stale_after:
+            logger.warning("removing a stale build lock %s (%.0f s old)", lock, age)
+            lock.unlink(missing_ok=True)
+            return
+        time.sleep(min(poll, stale_after - age))
 
 
 def _narrow_product_fake(x, weight, index=None):

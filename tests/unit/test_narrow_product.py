@@ -6,6 +6,10 @@ vector tail, groups sharing a weight, and inside a compiled graph as one node.""
 
 from __future__ import annotations
 
+import os
+import threading
+import time
+
 import pytest
 import torch
 
@@ -77,3 +81,20 @@ def test_compiled_step_keeps_the_kernel_as_one_node():
     torch._dynamo.reset()
     compiled = torch.compile(step, dynamic=False, options={"cpp_wrapper": True})
     close(compiled(x, weight, index), step(x, weight, index))
+
+
+def test_a_build_lock_left_by_a_dead_builder_does_not_stall_loading(tmp_path):
+    """torch's extension builder waits while a build directory's `lock` file exists: a
+    stale one (its builder killed) is removed; a live one is waited for until it goes."""
+    stale = tmp_path / "stale.lock"
+    stale.touch()
+    os.utime(stale, (time.time() - 3600, time.time() - 3600))
+    cpu_extension.wait_for_build_lock(stale, stale_after=60)
+    assert not stale.exists()
+
+    live = tmp_path / "live.lock"
+    live.touch()
+    threading.Timer(0.3, live.unlink).start()  # another process finishing its build
+    start = time.monotonic()
+    cpu_extension.wait_for_build_lock(live, stale_after=60, poll=0.05)
+    assert 0.25 <= time.monotonic() - start < 30
