@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import sys
 import threading
 import time
 from pathlib import Path
@@ -54,7 +55,7 @@ def available() -> bool:
 def load(cache_dir: Path | str | None = None) -> bool:
     """Build (once per machine) and load the kernels; later calls return at once. Returns
     whether they are available. The build directory is under `cache_dir` (default torch's
-    extension directory), one per instruction set and source."""
+    extension directory), one per instruction set, source, torch and Python."""
     with _lock:
         if _state["tried"]:
             return _state["available"]
@@ -77,7 +78,10 @@ def _build(cache_dir: Path | str | None) -> None:
 
     isa = torch.backends.cpu.get_cpu_capability()
     flags = ["-O3", *ISA_FLAGS.get(isa, [])]
-    tag = hashlib.sha256(SOURCE.read_bytes() + repr(flags).encode()).hexdigest()[:12]
+    # a build serves one source, flags, torch and Python (a shared cache directory may see
+    # several installs; an extension built against another torch must not be loaded)
+    built_for = repr((flags, torch.__version__, sys.version)).encode()
+    tag = hashlib.sha256(SOURCE.read_bytes() + built_for).hexdigest()[:12]
     name = f"nextn_cpu_{isa.lower()}_{tag}"
     build_dir = None
     if cache_dir is not None:
