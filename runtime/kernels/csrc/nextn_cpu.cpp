@@ -32,13 +32,6 @@ namespace {
 
 constexpr int64_t kMaxRows = 8;  // rows per pass: accumulators must fit the registers
 
-inline float bf16_to_float(uint16_t bits) {
-  uint32_t wide = static_cast<uint32_t>(bits) << 16;
-  float value;
-  std::memcpy(&value, &wide, sizeof(value));
-  return value;
-}
-
 #if defined(NARROW_AVX512)
 // 16 lanes; a block of `Cols` weight rows times `M` input rows
 constexpr int64_t kLanes = 16;
@@ -128,6 +121,13 @@ void rows_times_weight(const float* const* x, const uint16_t* w, int64_t K, floa
   for (; n < n_end; ++n) block<M, 1>(x, w + n * K, K, o, n);
 }
 #else
+inline float bf16_to_float(uint16_t bits) {
+  uint32_t wide = static_cast<uint32_t>(bits) << 16;
+  float value;
+  std::memcpy(&value, &wide, sizeof(value));
+  return value;
+}
+
 template <int M>
 void rows_times_weight(const float* const* x, const uint16_t* w, int64_t K, float* const* o,
                        int64_t n_begin, int64_t n_end) {

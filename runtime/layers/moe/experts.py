@@ -27,6 +27,8 @@ zero (the shapes stay fixed).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -225,16 +227,12 @@ class FusedMoEExperts(nn.Module):
     ) -> torch.Tensor:
         """The fixed-shape formulation of this rank's piece (its experts, its share of their
         width; pairs routed to other ranks' experts contribute zero)."""
-        num_tokens, top_k = topk_ids.shape
-        local, weights, _ = self._local_pairs(topk_weights, topk_ids, fixed_shape=True)
-        rows = x.unsqueeze(1).expand(num_tokens, top_k, x.shape[-1]).reshape(-1, 1, x.shape[-1])
-        w13 = weight_for_product(self, "w13_weight")[local].to(x.dtype)  # widened per pair
-        gate_up = torch.bmm(rows, w13.transpose(1, 2))
-        gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        hidden = swiglu(gate, up, self.swiglu_limit)
-        w2 = weight_for_product(self, "w2_weight")[local].to(x.dtype)
-        down = torch.bmm(hidden, w2.transpose(1, 2)).view(num_tokens, top_k, -1)
-        return (down * weights.view(num_tokens, top_k, 1).to(down.dtype)).sum(dim=1)
+
+        def gathered(rows: torch.Tensor, name: str, local: torch.Tensor) -> torch.Tensor:
+            weight = weight_for_product(self, name)[local].to(rows.dtype)  # widened per pair
+            return torch.bmm(rows, weight.transpose(1, 2))
+
+        return self._per_pair(x, topk_weights, topk_ids, gathered)
 
     def kernel_ready(self, x: torch.Tensor) -> bool:
         """Whether this step's products can go through the narrow-weight kernel (inside a
@@ -250,12 +248,26 @@ class FusedMoEExperts(nn.Module):
         """The gathered formulation through the narrow-weight kernel (`kernel_ready`), which
         serves every pair routed to an expert together: each chosen expert's copy is read
         once per step, not once per pair."""
+
+        def narrow(rows: torch.Tensor, name: str, local: torch.Tensor) -> torch.Tensor:
+            return narrow_product(rows, weight_for_product(self, name), local)
+
+        return self._per_pair(x, topk_weights, topk_ids, narrow)
+
+    def _per_pair(
+        self,
+        x: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        product: Callable[[torch.Tensor, str, torch.Tensor], torch.Tensor],
+    ) -> torch.Tensor:
+        """The fixed-shape piece with one row per (token, expert) pair: `product(rows [P, 1,
+        in], weight name, local expert [P]) -> [P, 1, out]` multiplies each pair's row by
+        its expert's projection."""
         num_tokens, top_k = topk_ids.shape
         local, weights, _ = self._local_pairs(topk_weights, topk_ids, fixed_shape=True)
         rows = x.unsqueeze(1).expand(num_tokens, top_k, x.shape[-1]).reshape(-1, 1, x.shape[-1])
-        gate_up = narrow_product(rows, weight_for_product(self, "w13_weight"), local)
-        gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        hidden = swiglu(gate, up, self.swiglu_limit).contiguous()
-        down = narrow_product(hidden, weight_for_product(self, "w2_weight"), local)
-        down = down.view(num_tokens, top_k, -1)
+        gate, up = product(rows, "w13_weight", local).split(self.intermediate_size, dim=-1)
+        hidden = swiglu(gate, up, self.swiglu_limit)
+        down = product(hidden, "w2_weight", local).view(num_tokens, top_k, -1)
         return (down * weights.view(num_tokens, top_k, 1).to(down.dtype)).sum(dim=1)
