@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """The project's C++ CPU kernels (`csrc/nextn_cpu.cpp`), built on first use.
 
-Two operators under the `nextn_cpu` namespace, each with a fake implementation so a
+Operators under the `nextn_cpu` namespace, each with a fake implementation so a
 compiled step holds it as one opaque node, which inductor's C++ wrapper calls through the
 dispatcher without Python (SGLang's CPU kernels, `sgl-kernel/csrc/cpu`, are registered as
 torch ops the same way):
@@ -9,7 +9,9 @@ torch ops the same way):
 * `narrow_product`: products of a few fp32 rows with bf16 weights
   (`runtime.kernels.narrow_product`);
 * `indexer_topk`: the indexer's top-k with transformers' ties
-  (`runtime.kernels.indexer_topk`), the same ATen calls as its Python body.
+  (`runtime.kernels.indexer_topk`), the same ATen calls as its Python body;
+* `hc_post` and `sinkhorn`: mHC's stream expansion and Sinkhorn normalisation at eager
+  prefill sizes (`runtime.kernels.stream_expand`, `runtime.kernels.sinkhorn`).
 
 `load` builds the extension with `torch.utils.cpp_extension` (about 20 s once per machine,
 then loaded from its build directory) and registers the fakes; the graph runner calls it
@@ -98,6 +100,8 @@ def _build(cache_dir: Path | str | None) -> None:
     )
     torch.library.register_fake("nextn_cpu::narrow_product")(_narrow_product_fake)
     torch.library.register_fake("nextn_cpu::indexer_topk")(_indexer_topk_fake)
+    torch.library.register_fake("nextn_cpu::hc_post")(_hc_post_fake)
+    torch.library.register_fake("nextn_cpu::sinkhorn")(_sinkhorn_fake)
 
 
 def wait_for_build_lock(
@@ -124,3 +128,11 @@ def _narrow_product_fake(x, weight, index=None):
 def _indexer_topk_fake(scores, lengths, visible, k):
     shape = (scores.shape[0], k)
     return scores.new_empty(shape, dtype=torch.long), scores.new_empty(shape, dtype=torch.bool)
+
+
+def _hc_post_fake(block, residual, post, comb):
+    return torch.empty_like(residual)
+
+
+def _sinkhorn_fake(logits, iters, eps):
+    return torch.empty_like(logits)

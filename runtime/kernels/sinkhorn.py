@@ -16,6 +16,13 @@ compiler fuses, except for a single stream (`hc_mult = 1`): there every sum is o
 element, the compiler turns each into an element-wise step and inlines the 40 passes of
 `c / (c + eps)` into one expression that doubles with every pass (its compile never
 ends), and the result is a constant anyway (the softmax of one logit is 1).
+
+Eagerly on CPU with the project's C++ kernels loaded, `nextn_cpu::sinkhorn`
+(`csrc/nextn_cpu.cpp`) runs the same steps on blocks of 16 matrices laid out matrix-last in
+a small buffer: one call instead of ~80 operators, about 4x faster than the torch path at a
+prefill's 2,048 rows. Its sums and divisions are the reference's, in the same order; its softmax's
+exponential is the C library's, so it agrees with the reference to within an ulp or so
+of each entry, not bit for bit.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import numpy as np
 import torch
 
 from runtime.core.capture import in_capture
+from runtime.kernels import cpu_extension
 
 _NUMPY_MAX_ROWS = 64
 
@@ -75,6 +83,8 @@ def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
             value = single_stream_value(iters, eps)
             return torch.full_like(logits, value, dtype=torch.float32)
         return sinkhorn_reference(logits, iters, eps)
+    if logits.device.type == "cpu" and cpu_extension.available() and not torch.is_grad_enabled():
+        return torch.ops.nextn_cpu.sinkhorn(logits.float(), iters, eps)
     rows = logits.numel() // (logits.shape[-1] * logits.shape[-2])
     if logits.device.type == "cpu" and rows <= _NUMPY_MAX_ROWS and not torch.is_grad_enabled():
         return _sinkhorn_numpy(logits.float(), iters, eps)

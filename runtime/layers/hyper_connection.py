@@ -18,7 +18,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from runtime.kernels import cpu_extension
 from runtime.kernels.sinkhorn import sinkhorn
+from runtime.kernels.stream_expand import expand_streams
 from runtime.layers.norm import rms_normalize
 
 
@@ -86,14 +88,18 @@ def hc_post(
 ) -> torch.Tensor:
     """`X'[o] = post[o] * block_out + sum_i comb[i, o] * residual[i]` -> [T, hc, H].
 
-    Eagerly the mixed streams are written by the product and the expanded block output is
-    added onto them in place by `addcmul_` (same values; at prefill sizes this
-    memory-bound step is bound by its passes over `[T, hc, H]`, and a separate product,
-    expansion and addition make twice as many); compiled steps keep the form the compiler
-    fuses."""
+    Eagerly on CPU with the C++ kernels loaded, their one pass over the streams
+    (`runtime.kernels.stream_expand`); otherwise the mixed streams are written by the
+    product and the expanded block output is added onto them in place by `addcmul_` (same
+    values; at prefill sizes this step is bound by its passes over `[T, hc, H]`, and a
+    separate product, expansion and addition make twice as many). Compiled steps keep the
+    form the compiler fuses."""
     dtype = residual.dtype
+    compiling = torch.compiler.is_compiling()
+    if not compiling and residual.device.type == "cpu" and cpu_extension.available():
+        return expand_streams(block_out, residual, post, comb)
     mixed = torch.bmm(comb.to(dtype).transpose(1, 2), residual)
-    if torch.compiler.is_compiling():
+    if compiling:
         return post.to(dtype).unsqueeze(-1) * block_out.unsqueeze(1) + mixed
     return mixed.addcmul_(post.to(dtype).unsqueeze(-1), block_out.unsqueeze(1))
 

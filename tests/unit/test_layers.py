@@ -160,7 +160,15 @@ def test_rms_norms_match_transformers():
     )
 
 
-def test_hyper_connections_match_transformers():
+@pytest.mark.parametrize("kernels", [False, True])
+def test_hyper_connections_match_transformers(monkeypatch, kernels):
+    """Eagerly through torch, and through the C++ kernels (Sinkhorn, the expansion)."""
+    from runtime.configs.capture import default_cache_dir
+    from runtime.kernels import cpu_extension
+
+    if kernels and not cpu_extension.load(default_cache_dir()):
+        pytest.skip("the C++ CPU kernels cannot be built here")
+    monkeypatch.setitem(cpu_extension._state, "available", kernels)
     config = v4_config()
     hc = hf_v4.DeepseekV4HyperConnection(config)
     for p in hc.parameters():
@@ -455,8 +463,12 @@ def test_vocab_parallel_embedding_and_head(monkeypatch):
 
 
 @pytest.mark.parametrize("rows", [1, 5, 300, 2048])
-def test_sinkhorn_fast_path_is_bit_identical(rows):
+def test_sinkhorn_fast_path_is_bit_identical(monkeypatch, rows):
+    """The torch fast paths (the C++ kernel, when loaded, is tested on its own)."""
+    from runtime.kernels import cpu_extension
     from runtime.kernels.sinkhorn import sinkhorn, sinkhorn_reference
+
+    monkeypatch.setitem(cpu_extension._state, "available", False)
 
     logits = torch.randn(rows, 4, 4)
     with torch.no_grad():

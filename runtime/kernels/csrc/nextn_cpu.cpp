@@ -10,11 +10,15 @@
 // instruction set torch dispatches to (AVX-512 or AVX2); without either, a scalar loop.
 //
 // nextn_cpu::indexer_topk: runtime/kernels/indexer_topk.py's op body as ATen calls.
+//
+// nextn_cpu::hc_post and nextn_cpu::sinkhorn: mHC's stream expansion and Sinkhorn
+// normalisation for eager prefill (runtime/kernels/stream_expand.py, sinkhorn.py).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <tuple>
@@ -258,14 +262,154 @@ std::tuple<at::Tensor, at::Tensor> indexer_topk(const at::Tensor& scores,
   return {indices, indices.lt(visible.unsqueeze(1))};
 }
 
+// mHC's stream expansion (runtime/kernels/hyper_mix.py): out[t, o] = post[t, o] * block[t]
+// + sum_i comb[t, i, o] * residual[t, i], one pass over the streams per token, the sum in
+// fp32 in the order i = 0, 1, ... and the block's term last (as the torch form: a batched
+// product, then addcmul). block [T, H], residual [T, S, H] (fp32 or bf16, one dtype),
+// post [T, S] and comb [T, S, S] fp32 -> [T, S, H] in the residual's dtype.
+template <typename scalar_t>
+void expand_streams(const scalar_t* block, const scalar_t* residual, const float* post,
+                    const float* comb, scalar_t* out, int64_t T, int64_t S, int64_t H) {
+  at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc(H);
+    float* a = acc.data();
+    for (int64_t t = begin; t < end; ++t) {
+      const scalar_t* b = block + t * H;
+      const scalar_t* r = residual + t * S * H;
+      const float* c = comb + t * S * S;
+      for (int64_t o = 0; o < S; ++o) {
+        const float c0 = c[o];
+        for (int64_t h = 0; h < H; ++h) a[h] = c0 * static_cast<float>(r[h]);
+        for (int64_t i = 1; i < S; ++i) {
+          const float ci = c[i * S + o];
+          const scalar_t* ri = r + i * H;
+          for (int64_t h = 0; h < H; ++h) a[h] += ci * static_cast<float>(ri[h]);
+        }
+        const float p = post[t * S + o];
+        scalar_t* dst = out + (t * S + o) * H;
+        for (int64_t h = 0; h < H; ++h)
+          dst[h] = static_cast<scalar_t>(a[h] + p * static_cast<float>(b[h]));
+      }
+    }
+  });
+}
+
+at::Tensor hc_post(const at::Tensor& block, const at::Tensor& residual, const at::Tensor& post,
+                   const at::Tensor& comb) {
+  TORCH_CHECK(residual.dim() == 3 && block.dim() == 2,
+              "hc_post: residual [T, S, H], block [T, H]");
+  const int64_t T = residual.size(0), S = residual.size(1), H = residual.size(2);
+  TORCH_CHECK(block.size(0) == T && block.size(1) == H, "hc_post: block must be [T, H]");
+  TORCH_CHECK(post.dim() == 2 && post.size(0) == T && post.size(1) == S && comb.dim() == 3 &&
+                  comb.size(0) == T && comb.size(1) == S && comb.size(2) == S,
+              "hc_post: post [T, S], comb [T, S, S]");
+  TORCH_CHECK(block.scalar_type() == residual.scalar_type(),
+              "hc_post: block and residual differ in dtype");
+  TORCH_CHECK(post.scalar_type() == at::kFloat && comb.scalar_type() == at::kFloat,
+              "hc_post: post and comb must be float32");
+  at::Tensor out = at::empty({T, S, H}, residual.options());
+  if (out.numel() == 0) return out;
+  at::Tensor bc = block.contiguous(), rc = residual.contiguous();
+  at::Tensor pc = post.contiguous(), cc = comb.contiguous();
+  if (residual.scalar_type() == at::kFloat) {
+    expand_streams<float>(bc.data_ptr<float>(), rc.data_ptr<float>(), pc.data_ptr<float>(),
+                          cc.data_ptr<float>(), out.data_ptr<float>(), T, S, H);
+  } else if (residual.scalar_type() == at::kBFloat16) {
+    expand_streams<at::BFloat16>(bc.data_ptr<at::BFloat16>(), rc.data_ptr<at::BFloat16>(),
+                                 pc.data_ptr<float>(), cc.data_ptr<float>(),
+                                 out.data_ptr<at::BFloat16>(), T, S, H);
+  } else {
+    TORCH_CHECK(false, "hc_post: float32 or bfloat16 streams");
+  }
+  return out;
+}
+
+// runtime/kernels/sinkhorn.py's normalisation of R matrices [n, n] (fp32): a row softmax
+// plus eps, a column pass, then iters - 1 row and column passes, each dividing by its sum
+// plus eps; the sums in index order as torch's. Blocks of kLanesSk matrices are laid out
+// matrix-last in a buffer, so every step is a loop over the block's matrices (vectorised
+// by the compiler) instead of a reduction over n elements.
+constexpr int64_t kLanesSk = 16;
+
+at::Tensor sinkhorn(const at::Tensor& logits, int64_t iters, double eps_d) {
+  TORCH_CHECK(logits.dim() >= 2 && logits.size(-1) == logits.size(-2), "sinkhorn: [..., n, n]");
+  TORCH_CHECK(logits.scalar_type() == at::kFloat, "sinkhorn: float32 logits");
+  TORCH_CHECK(iters >= 1, "sinkhorn: iters >= 1");
+  const int64_t n = logits.size(-1);
+  at::Tensor lc = logits.contiguous();
+  at::Tensor out = at::empty_like(lc);
+  const int64_t nn = n * n, R = n == 0 ? 0 : lc.numel() / nn;
+  if (R == 0) return out;
+  const float eps = static_cast<float>(eps_d);
+  const float* src = lc.data_ptr<float>();
+  float* dst = out.data_ptr<float>();
+  at::parallel_for(0, (R + kLanesSk - 1) / kLanesSk, 4, [&](int64_t begin, int64_t end) {
+    std::vector<float> buf(nn * kLanesSk), sum(kLanesSk), top(kLanesSk);
+    for (int64_t blk = begin; blk < end; ++blk) {
+      const int64_t r0 = blk * kLanesSk, m = std::min(kLanesSk, R - r0);
+      float* c = buf.data();  // c[e * kLanesSk + l]: element e of matrix r0 + l
+      std::fill(buf.begin(), buf.end(), 0.0f);
+      for (int64_t l = 0; l < m; ++l)
+        for (int64_t e = 0; e < nn; ++e) c[e * kLanesSk + l] = src[(r0 + l) * nn + e];
+      auto at_ = [&](int64_t i, int64_t j) { return c + (i * n + j) * kLanesSk; };
+      float* s = sum.data();
+      for (int64_t i = 0; i < n; ++i) {  // row softmax + eps
+        float* mx = top.data();
+        for (int64_t l = 0; l < kLanesSk; ++l) mx[l] = at_(i, 0)[l];
+        for (int64_t j = 1; j < n; ++j)
+          for (int64_t l = 0; l < kLanesSk; ++l) mx[l] = std::max(mx[l], at_(i, j)[l]);
+        for (int64_t l = 0; l < kLanesSk; ++l) s[l] = 0.0f;
+        for (int64_t j = 0; j < n; ++j) {
+          float* x = at_(i, j);
+          for (int64_t l = 0; l < kLanesSk; ++l) {
+            x[l] = std::exp(x[l] - mx[l]);
+            s[l] += x[l];
+          }
+        }
+        for (int64_t l = 0; l < kLanesSk; ++l) s[l] = 1.0f / s[l];
+        for (int64_t j = 0; j < n; ++j) {
+          float* x = at_(i, j);
+          for (int64_t l = 0; l < kLanesSk; ++l) x[l] = x[l] * s[l] + eps;
+        }
+      }
+      auto normalise = [&](bool rows) {
+        for (int64_t a = 0; a < n; ++a) {
+          for (int64_t l = 0; l < kLanesSk; ++l) s[l] = 0.0f;
+          for (int64_t b = 0; b < n; ++b) {
+            const float* x = rows ? at_(a, b) : at_(b, a);
+            for (int64_t l = 0; l < kLanesSk; ++l) s[l] += x[l];
+          }
+          for (int64_t l = 0; l < kLanesSk; ++l) s[l] += eps;
+          for (int64_t b = 0; b < n; ++b) {
+            float* x = rows ? at_(a, b) : at_(b, a);
+            for (int64_t l = 0; l < kLanesSk; ++l) x[l] /= s[l];
+          }
+        }
+      };
+      normalise(false);
+      for (int64_t it = 1; it < iters; ++it) {
+        normalise(true);
+        normalise(false);
+      }
+      for (int64_t l = 0; l < m; ++l)
+        for (int64_t e = 0; e < nn; ++e) dst[(r0 + l) * nn + e] = c[e * kLanesSk + l];
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(nextn_cpu, m) {
   m.def("narrow_product(Tensor x, Tensor weight, Tensor? index=None) -> Tensor");
   m.def("indexer_topk(Tensor scores, Tensor lengths, Tensor visible, int k) -> (Tensor, Tensor)");
+  m.def("hc_post(Tensor block, Tensor residual, Tensor post, Tensor comb) -> Tensor");
+  m.def("sinkhorn(Tensor logits, int iters, float eps) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(nextn_cpu, CPU, m) {
   m.impl("narrow_product", &narrow_product);
   m.impl("indexer_topk", &indexer_topk);
+  m.impl("hc_post", &hc_post);
+  m.impl("sinkhorn", &sinkhorn);
 }
