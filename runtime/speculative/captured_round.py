@@ -8,8 +8,8 @@ them, which on a CPU costs as much as a draft step).
     -> draft extend over the S + 1 rows -> pick row m -> S - 1 chained draft steps
 
 What the host cannot know before the round, each request's accept count `m`, decides only
-values inside the graph: the draft reads row m of its extend (logits and hidden states of
-every row are computed, a gather picks it), and the chained steps' positions
+values inside the graph: the draft scores row m of its extend (hidden states of every row
+are computed, logits only for the gathered row m), and the chained steps' positions
 `num_cached + m + i` are computed in the graph, where the draft's cache pool derives their
 metadata from them (`prepare_in_step`, torch ops only) with the entry counts of the
 extend's metadata, prepared on the host to reach those positions. Everything else is
@@ -22,6 +22,7 @@ rounds run as separate steps (`NextNWorker._verify`), with the same tokens.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -163,9 +164,12 @@ def round_body(target: ModelRunner, draft: ModelRunner, num_steps: int):
         # rows past m carry stale tokens whose draft cache rows the next round rewrites
         following = torch.cat([drafts, final.unsqueeze(1)], dim=1)
         following = following.scatter(1, num.unsqueeze(1), final.unsqueeze(1))
-        extended = call_draft(extend_ctx, following.flatten(), out.hidden_states, 0)
+        # the draft scores only row m of each request (the row the step-by-step drafter
+        # scores): one row of the vocabulary product instead of S + 1
         rows = torch.arange(bs, device=num.device) * width + num
-        tokens = extended.next_token_logits[rows].argmax(-1)
+        extend_ctx = dataclasses.replace(extend_ctx, logits_row_indices=rows)
+        extended = call_draft(extend_ctx, following.flatten(), out.hidden_states, 0)
+        tokens = extended.next_token_logits.argmax(-1)
         hidden = extended.hidden_states[rows]
         proposals = [tokens]
         pools = verify_ctx.req_pool_indices
