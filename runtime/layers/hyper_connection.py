@@ -39,6 +39,7 @@ def _mixes(x: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
 
 
 COMPILE_HC_PRE_ONCE = True
+EXPANDED_DTYPES = (torch.float32, torch.bfloat16)  # the stream expansion kernel's
 
 
 def hc_pre(
@@ -96,7 +97,13 @@ def hc_post(
     form the compiler fuses."""
     dtype = residual.dtype
     compiling = torch.compiler.is_compiling()
-    if not compiling and residual.device.type == "cpu" and cpu_extension.available():
+    if (
+        not compiling
+        and residual.device.type == "cpu"
+        and residual.dtype in EXPANDED_DTYPES
+        and block_out.dtype == dtype
+        and cpu_extension.available()
+    ):
         return expand_streams(block_out, residual, post, comb)
     mixed = torch.bmm(comb.to(dtype).transpose(1, 2), residual)
     if compiling:

@@ -109,3 +109,15 @@ def test_expansion_rejects_mismatched_shapes():
             expand_streams(*bad)
     with pytest.raises(RuntimeError, match="hc_post"):
         expand_streams(block, residual, post, comb[:, :3])
+
+
+def test_layer_expansion_of_other_dtypes_keeps_the_torch_form():
+    """fp16 streams (no kernel for them) go through the torch form, not the kernel's
+    dtype check."""
+    from runtime.layers.hyper_connection import hc_post
+
+    block, residual, post, comb = streams(8, 4, 16, torch.float16)
+    got = hc_post(block, residual, post, comb)
+    expected = expand_streams_reference(block.float(), residual.float(), post, comb)
+    assert got.dtype == torch.float16
+    torch.testing.assert_close(got.float(), expected, rtol=1e-2, atol=1e-2)
