@@ -102,6 +102,7 @@ def hc_post(
         and residual.device.type == "cpu"
         and residual.dtype in EXPANDED_DTYPES
         and block_out.dtype == dtype
+        and not torch.is_grad_enabled()  # the kernel has no backward
         and cpu_extension.available()
     ):
         return expand_streams(block_out, residual, post, comb)

@@ -162,22 +162,36 @@ def test_rms_norms_match_transformers():
 
 @pytest.mark.parametrize("kernels", [False, True])
 def test_hyper_connections_match_transformers(monkeypatch, kernels):
-    """Eagerly through torch, and through the C++ kernels (Sinkhorn, the expansion)."""
+    """Eagerly (no grad, as the engine runs) through torch, and through the C++ kernels
+    (Sinkhorn, the expansion), each path made sure of by counting the kernel's calls."""
     from runtime.configs.capture import default_cache_dir
     from runtime.kernels import cpu_extension
+    from runtime.layers import hyper_connection
 
     if kernels and not cpu_extension.load(default_cache_dir()):
         pytest.skip("the C++ CPU kernels cannot be built here")
     monkeypatch.setitem(cpu_extension._state, "available", kernels)
+    calls = []
+    expand = hyper_connection.expand_streams
+    monkeypatch.setattr(
+        hyper_connection, "expand_streams", lambda *args: calls.append(1) or expand(*args)
+    )
     config = v4_config()
     hc = hf_v4.DeepseekV4HyperConnection(config)
     for p in hc.parameters():
         p.data = torch.randn(p.shape) * 0.3
     x = torch.randn(1, 6, 4, 32)
     post, comb, collapsed = hc(x)
-    y, our_post, our_comb = hc_pre(
-        x[0], hc.fn, hc.scale, hc.base, config.rms_norm_eps, config.hc_eps, config.hc_sinkhorn_iters
-    )
+    with torch.no_grad():
+        y, our_post, our_comb = hc_pre(
+            x[0],
+            hc.fn,
+            hc.scale,
+            hc.base,
+            config.rms_norm_eps,
+            config.hc_eps,
+            config.hc_sinkhorn_iters,
+        )
     torch.testing.assert_close(y, collapsed[0], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(our_post, post[0], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(our_comb, comb[0], atol=1e-5, rtol=1e-5)
@@ -187,9 +201,10 @@ def test_hyper_connections_match_transformers(monkeypatch, kernels):
     expected = post[0].unsqueeze(-1) * block_out.unsqueeze(-2) + torch.matmul(
         comb[0].transpose(-1, -2), x[0]
     )
-    torch.testing.assert_close(
-        hc_post(block_out, x[0], our_post, our_comb), expected, atol=1e-5, rtol=1e-5
-    )
+    with torch.no_grad():
+        ours = hc_post(block_out, x[0], our_post, our_comb)
+    torch.testing.assert_close(ours, expected, atol=1e-5, rtol=1e-5)
+    assert len(calls) == (1 if kernels else 0)
 
     head = hf_v4.DeepseekV4HyperHead(config)
     for p in head.parameters():
