@@ -579,6 +579,7 @@ class GraphRunner:
     def _work(self, item) -> None:
         if item is PREPARE_STORE:
             step_store.prepare()
+            self._store.prune()
         else:
             self._compile(item)
 

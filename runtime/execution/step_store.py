@@ -25,6 +25,9 @@ What an artifact holds and what it does not:
   arguments). Anything it covers that differs
   loads nothing and compiles afresh; a loaded step is also checked against the eager step
   on the padding batch before it is used (`outputs_match`).
+
+The store keeps itself under `STORE_MAX_BYTES` (`StepStore.prune`, at start-up): an upgrade
+changes every fingerprint, so the previous version's artifacts would otherwise stay forever.
 """
 
 from __future__ import annotations
@@ -59,6 +62,8 @@ ARTIFACT_SUFFIX = ".pt2step"
 # an artifact's outputs on the padding batch against the eager step's: the compiler's
 # fusion moves results by rounding only
 MATCH_TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-6}
+# the store's size limit: past it the least recently used artifacts go (`StepStore.prune`)
+STORE_MAX_BYTES = 4 << 30
 LOW_PRECISION_TOLERANCE = 5e-2
 
 
@@ -293,6 +298,10 @@ class StepStore:
             logger.warning("could not load the compiled step %s, compiling it: %s", path, err)
             return None
         step.disable_guard_check()
+        try:
+            os.utime(path)  # a use: `prune` removes the least recently used first
+        except OSError:
+            pass
         return step
 
     def save(self, path: Path, step, fn: Callable) -> bool:
@@ -304,3 +313,33 @@ class StepStore:
             logger.warning("could not save the compiled step %s: %s", path.name, err)
             return False
         return True
+
+    def prune(self, max_bytes: int = STORE_MAX_BYTES) -> list[Path]:
+        """Remove the least recently saved or loaded artifacts until the store holds at most
+        `max_bytes`; returns the removed paths. Every upgrade of torch or of the runtime's
+        sources changes every fingerprint, so the artifacts of the old versions are never
+        loaded again; without a limit the store would only grow (a few MB per step and
+        bucket, hundreds of MB per version of a NEXTN engine with several buckets)."""
+        entries = []
+        for path in self.directory.glob(f"*{ARTIFACT_SUFFIX}"):
+            try:
+                info = path.stat()
+            except OSError:  # removed meanwhile (another process prunes too)
+                continue
+            entries.append((info.st_mtime, info.st_size, path))
+        total = sum(size for _, size, _ in entries)
+        removed, freed = [], 0
+        for _, size, path in sorted(entries):
+            if total - freed <= max_bytes:
+                break
+            path.unlink(missing_ok=True)
+            freed += size
+            removed.append(path)
+        if removed:
+            logger.info(
+                "step store: removed %d least recently used steps (%.0f MB) to stay under %.1f GB",
+                len(removed),
+                freed / 1e6,
+                max_bytes / 1e9,
+            )
+        return removed

@@ -155,6 +155,32 @@ def test_a_damaged_artifact_loads_nothing(tmp_path):
     assert StepStore(tmp_path).load(path, step_of(Block(), torch.zeros(4, 8))) is None
 
 
+def test_the_store_keeps_its_most_recently_used_steps_under_its_limit(tmp_path):
+    """Past its size limit the store removes the artifacts saved or loaded longest ago,
+    and nothing else; a load counts as a use."""
+    store = StepStore(tmp_path)
+    paths = [tmp_path / f"step{i}{step_store.ARTIFACT_SUFFIX}" for i in range(5)]
+    for age, path in zip((50, 40, 30, 20, 10), paths):
+        path.write_bytes(b"x" * 100)
+        os.utime(path, (1_000_000 - age, 1_000_000 - age))
+    other = tmp_path / "notes.txt"
+    other.write_bytes(b"y" * 1000)
+    assert store.prune(max_bytes=1_000_000) == []
+    assert sorted(store.prune(max_bytes=250)) == sorted(paths[:3])
+    assert [p.exists() for p in paths] == [False, False, False, True, True] and other.exists()
+    assert store.prune(max_bytes=250) == []
+
+    block, cache = Block(seed=2), torch.zeros(4, 8)
+    fn, args = step_of(block, cache), (torch.randn(2, 8),)
+    saved = store.path("captured_test_step", fingerprint(fn, args, OPTIONS, "test"))
+    with torch.inference_mode():
+        assert store.save(saved, precompile(fn, args, OPTIONS), fn)
+    os.utime(saved, (1, 1))  # saved long ago: the first to go
+    assert store.load(saved, fn) is not None  # ... until a load uses it
+    assert saved.stat().st_mtime > 1_000_000
+    assert store.prune(max_bytes=saved.stat().st_size + 150) == [paths[3]]
+
+
 @pytest.fixture
 def precompiling(monkeypatch):
     """Graph runners precompile their steps; their cache directories are temporary ones,
@@ -227,12 +253,13 @@ def test_a_background_graph_runner_prepares_the_store_before_any_step(
 ):
     """The first load of a process (imports, the ISA probe) happens at start-up on the
     worker thread, not when traffic first meets a step."""
-    prepared = threading.Event()
+    prepared, pruned = threading.Event(), threading.Event()
     monkeypatch.setattr(step_store, "prepare", prepared.set)
+    monkeypatch.setattr(StepStore, "prune", lambda store: pruned.set())
     runner = bare_runner()
     config = CaptureConfig(batch_sizes=(1,), cache_dir=str(tmp_path))
     graph_runner = GraphRunner(runner, config, 1)
-    assert prepared.wait(30)
+    assert prepared.wait(30) and pruned.wait(30)
     assert graph_runner._worker._thread.name == "capture"
     inline = GraphRunner(runner, CaptureConfig(batch_sizes=(1,), background=False), 1)
     assert inline._worker is None  # nothing runs beside an inline runner
