@@ -83,11 +83,11 @@ def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
             value = single_stream_value(iters, eps)
             return torch.full_like(logits, value, dtype=torch.float32)
         return sinkhorn_reference(logits, iters, eps)
-    if logits.device.type == "cpu" and cpu_extension.available() and not torch.is_grad_enabled():
-        return torch.ops.nextn_cpu.sinkhorn(logits.float(), iters, eps)
-    rows = logits.numel() // (logits.shape[-1] * logits.shape[-2])
-    if logits.device.type == "cpu" and rows <= _NUMPY_MAX_ROWS and not torch.is_grad_enabled():
-        return _sinkhorn_numpy(logits.float(), iters, eps)
-    if not torch.is_grad_enabled():
-        return _sinkhorn_rows_last(logits, iters, eps)
-    return sinkhorn_reference(logits, iters, eps)
+    if torch.is_grad_enabled():
+        return sinkhorn_reference(logits, iters, eps)
+    if logits.device.type == "cpu":
+        if cpu_extension.available():
+            return torch.ops.nextn_cpu.sinkhorn(logits.float(), iters, eps)
+        if logits.numel() // (logits.shape[-1] * logits.shape[-2]) <= _NUMPY_MAX_ROWS:
+            return _sinkhorn_numpy(logits.float(), iters, eps)
+    return _sinkhorn_rows_last(logits, iters, eps)
