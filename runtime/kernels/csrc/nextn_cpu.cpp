@@ -86,17 +86,25 @@ inline float hsum(VecF v) {
 
 #if defined(NARROW_AVX512) || defined(NARROW_AVX2)
 // out rows `o[m]` (columns n0 .. n0 + Cols) for the `M` input rows `x[m]` (compile-time,
-// so the accumulators stay in registers) and the `Cols` weight rows from `w`
+// so the accumulators stay in registers) and the `Cols` weight rows from `w`. With
+// `prefetch_next` the next block's rows are prefetched while this one is multiplied (one
+// 64-byte line per row every 32 values): the weights stream from the shared cache, and the
+// hardware prefetcher alone left each block waiting for its loads (a 4-row product of a
+// 4096 x 256 weight took 138 against 106 us without it, one thread; same results).
 template <int M, int Cols>
 inline void block(const float* const* x, const uint16_t* w, int64_t K, float* const* o,
-                  int64_t n0) {
+                  int64_t n0, bool prefetch_next) {
   VecF acc[M][Cols];
   for (int m = 0; m < M; ++m)
     for (int c = 0; c < Cols; ++c) acc[m][c] = zero();
   int64_t k = 0;
+  const uint16_t* next = w + Cols * K;
   for (; k + kLanes <= K; k += kLanes) {
     VecF wv[Cols];
     for (int c = 0; c < Cols; ++c) wv[c] = widen(w + c * K + k);
+    if (prefetch_next && k % 32 == 0)
+      for (int c = 0; c < Cols; ++c)
+        _mm_prefetch(reinterpret_cast<const char*>(next + c * K + k), _MM_HINT_T0);
     for (int m = 0; m < M; ++m) {
       VecF xv = load(x[m] + k);
       for (int c = 0; c < Cols; ++c) acc[m][c] = fma(wv[c], xv, acc[m][c]);
@@ -117,12 +125,13 @@ inline void block(const float* const* x, const uint16_t* w, int64_t K, float* co
 
 template <int M>
 void rows_times_weight(const float* const* x, const uint16_t* w, int64_t K, float* const* o,
-                       int64_t n_begin, int64_t n_end) {
+                       int64_t n_begin, int64_t n_end, int64_t n_rows) {
   // at most 16 accumulators, so more weight rows per pass for fewer input rows
   constexpr int Cols = M <= 4 ? 4 : 2;
   int64_t n = n_begin;
-  for (; n + Cols <= n_end; n += Cols) block<M, Cols>(x, w + n * K, K, o, n);
-  for (; n < n_end; ++n) block<M, 1>(x, w + n * K, K, o, n);
+  for (; n + Cols <= n_end; n += Cols)
+    block<M, Cols>(x, w + n * K, K, o, n, n + 2 * Cols <= n_rows);
+  for (; n < n_end; ++n) block<M, 1>(x, w + n * K, K, o, n, n + 2 <= n_rows);
 }
 #else
 inline float bf16_to_float(uint16_t bits) {
@@ -134,7 +143,7 @@ inline float bf16_to_float(uint16_t bits) {
 
 template <int M>
 void rows_times_weight(const float* const* x, const uint16_t* w, int64_t K, float* const* o,
-                       int64_t n_begin, int64_t n_end) {
+                       int64_t n_begin, int64_t n_end, int64_t /*n_rows*/) {
   for (int64_t n = n_begin; n < n_end; ++n)
     for (int m = 0; m < M; ++m) {
       float acc = 0.f;
@@ -144,8 +153,9 @@ void rows_times_weight(const float* const* x, const uint16_t* w, int64_t K, floa
 }
 #endif
 
+// (x rows, weight, K, out rows, first and end weight row of the task, weight rows in all)
 using Kernel = void (*)(const float* const*, const uint16_t*, int64_t, float* const*, int64_t,
-                        int64_t);
+                        int64_t, int64_t);
 
 Kernel kernel_for(int64_t rows) {
   switch (rows) {
@@ -223,7 +233,7 @@ at::Tensor narrow_product(const at::Tensor& x, const at::Tensor& weight,
       const uint16_t* w = wp + run_expert[r] * N * K;
       for (int64_t row = run_start[r]; row < run_start[r + 1]; row += kMaxRows) {
         const int64_t rows = std::min(kMaxRows, run_start[r + 1] - row);
-        kernel_for(rows)(xrows.data() + row, w, K, orows.data() + row, n0, n1);
+        kernel_for(rows)(xrows.data() + row, w, K, orows.data() + row, n0, n1, N);
       }
     }
   });
