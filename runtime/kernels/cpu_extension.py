@@ -102,6 +102,7 @@ def _build(cache_dir: Path | str | None) -> None:
     torch.library.register_fake("nextn_cpu::indexer_topk")(_indexer_topk_fake)
     torch.library.register_fake("nextn_cpu::hc_post")(_hc_post_fake)
     torch.library.register_fake("nextn_cpu::sinkhorn")(_sinkhorn_fake)
+    torch.library.register_fake("nextn_cpu::tile_product")(_tile_product_fake)
 
 
 def wait_for_build_lock(
@@ -136,3 +137,7 @@ def _hc_post_fake(block, residual, post, comb):
 
 def _sinkhorn_fake(logits, iters, eps):
     return torch.empty_like(logits)
+
+
+def _tile_product_fake(x, packed, n, group_ends=None):
+    return x.new_empty((x.shape[0], n))

@@ -29,8 +29,10 @@ _SINGLE = ParallelGroup()
 
 
 class LinearBase(nn.Module):
-    # captured steps may read a bf16 copy (narrow_weights.linear_product)
+    # captured steps may read a bf16 copy (narrow_weights.linear_product), prefill chunks a
+    # copy packed for AMX tiles where the CPU has them
     narrow_weight_names = ("weight",)
+    tile_weight_names = ("weight",)
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False, params_dtype=None):
         super().__init__()

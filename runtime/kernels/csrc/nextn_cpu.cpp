@@ -13,6 +13,10 @@
 //
 // nextn_cpu::hc_post and nextn_cpu::sinkhorn: mHC's stream expansion and Sinkhorn
 // normalisation for eager prefill (runtime/kernels/stream_expand.py, sinkhorn.py).
+//
+// nextn_cpu::tile_product, tile_ready: fp32 rows times a bf16 weight on AMX
+// tiles, each row split into three bf16 parts so that every product is exact
+// (runtime/kernels/tile_product.py).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -22,7 +26,14 @@
 #include <cstdint>
 #include <cstring>
 #include <tuple>
+#include <utility>
 #include <vector>
+
+#if defined(__linux__) && defined(__x86_64__)
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
@@ -408,6 +419,195 @@ at::Tensor sinkhorn(const at::Tensor& logits, int64_t iters, double eps_d) {
   return out;
 }
 
+// ---- AMX tile products ---------------------------------------------------------------
+// out [M, N] = x [M, K] fp32 @ weight [N, K]^T, weight bf16. Each row of x is split by
+// truncation into three bf16 parts, x = hi + mid + lo exactly (8 significant bits each),
+// and every part is multiplied by the weight on the tiles (TDPBF16PS: products of two bf16
+// values are exact in fp32, sums in fp32), so only the order of the sums differs from an
+// fp32 product (3xTF32 on GPUs splits the same way). The weight is packed once
+// (tile_product.py's `pack`: [Kp / 2, Np, 2], pairs of K interleaved, as the tile product
+// reads its second operand, K and N padded with zeros to multiples of 32); rows go in blocks of 32 (two tiles), split into a per-thread buffer
+// just before their products, columns in blocks of 32.
+#if defined(NARROW_AVX512) && defined(__linux__) && defined(__GNUC__) && \
+    (defined(__clang__) || __GNUC__ >= 11)
+#define NEXTN_AMX 1
+#define AMX_TARGET __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw")))
+
+constexpr int64_t kTileRows = 16, kTileK = 32, kTileBlock = 32;
+
+struct alignas(64) TileConfig {
+  uint8_t palette_id = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// the CPU has AMX-BF16 and the kernel let this process use the tile registers
+bool tile_ready() {
+  static const bool ready = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+    const bool amx_bf16 = (d >> 22) & 1u, amx_tile = (d >> 24) & 1u;
+    if (!amx_bf16 || !amx_tile) return false;
+    constexpr long kRequestPermission = 0x1023, kTileData = 18;  // ARCH_REQ_XCOMP_PERM
+    return syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
+  }();
+  return ready;
+}
+
+// rows r0 .. r0 + 32 of x into parts [32, 3, Kp] (hi, mid, lo), rows past M zero
+AMX_TARGET void split_block(const float* x, int64_t M, int64_t K, int64_t Kp, int64_t r0,
+                            uint16_t* parts) {
+  const __m512i top = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int64_t i = 0; i < kTileBlock; ++i) {
+    uint16_t* hi = parts + i * 3 * Kp;
+    if (r0 + i >= M) {
+      std::memset(hi, 0, 3 * Kp * sizeof(uint16_t));
+      continue;
+    }
+    const float* src = x + (r0 + i) * K;
+    for (int64_t k = 0; k < Kp; k += 16) {
+      const int64_t n = std::min<int64_t>(16, std::max<int64_t>(0, K - k));
+      const __m512 v = _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << n) - 1u), src + k);
+      const __m512i b0 = _mm512_castps_si512(v);
+      const __m512 r1 = _mm512_sub_ps(v, _mm512_castsi512_ps(_mm512_and_si512(b0, top)));
+      const __m512i b1 = _mm512_castps_si512(r1);
+      const __m512 r2 = _mm512_sub_ps(r1, _mm512_castsi512_ps(_mm512_and_si512(b1, top)));
+      const __m512i b2 = _mm512_castps_si512(r2);
+      auto store = [&](uint16_t* dst, __m512i bits) {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + k),
+                            _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16)));
+      };
+      store(hi, b0);
+      store(hi + Kp, b1);
+      store(hi + 2 * Kp, b2);
+    }
+  }
+}
+
+// out rows r0 .. r0 + 32, columns n0 .. n0 + 32 (clipped to M, N)
+AMX_TARGET void tile_block(const uint16_t* parts, int64_t Kp, const uint16_t* packed,
+                           int64_t Np, float* out, int64_t M, int64_t N, int64_t r0,
+                           int64_t n0) {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  const int64_t a_stride = 3 * Kp * sizeof(uint16_t), b_stride = Np * 2 * sizeof(uint16_t);
+  const uint16_t* a0 = parts;
+  const uint16_t* a1 = parts + kTileRows * 3 * Kp;
+  for (int64_t k = 0; k < Kp; k += kTileK) {
+    const uint16_t* b = packed + (k / 2) * Np * 2 + n0 * 2;
+    _tile_loadd(6, b, b_stride);
+    _tile_loadd(7, b + 2 * kTileRows, b_stride);
+    for (int64_t part = 0; part < 3; ++part) {
+      _tile_loadd(4, a0 + part * Kp + k, a_stride);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(1, 4, 7);
+      _tile_loadd(5, a1 + part * Kp + k, a_stride);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  if (r0 + kTileBlock <= M && n0 + kTileBlock <= N) {
+    const int64_t stride = N * sizeof(float);
+    _tile_stored(0, out + r0 * N + n0, stride);
+    _tile_stored(1, out + r0 * N + n0 + kTileRows, stride);
+    _tile_stored(2, out + (r0 + kTileRows) * N + n0, stride);
+    _tile_stored(3, out + (r0 + kTileRows) * N + n0 + kTileRows, stride);
+    return;
+  }
+  alignas(64) float buf[kTileBlock * kTileBlock];
+  const int64_t stride = kTileBlock * sizeof(float);
+  _tile_stored(0, buf, stride);
+  _tile_stored(1, buf + kTileRows, stride);
+  _tile_stored(2, buf + kTileRows * kTileBlock, stride);
+  _tile_stored(3, buf + kTileRows * kTileBlock + kTileRows, stride);
+  const int64_t cols = std::min(kTileBlock, N - n0);
+  for (int64_t i = 0; i < kTileBlock && r0 + i < M; ++i)
+    std::memcpy(out + (r0 + i) * N + n0, buf + i * kTileBlock, cols * sizeof(float));
+}
+
+// the tile configuration every product here uses: eight 16 x 64-byte tiles
+AMX_TARGET void load_tile_config() {
+  TileConfig config;
+  for (int t = 0; t < 8; ++t) {
+    config.rows[t] = kTileRows;
+    config.colsb[t] = 64;
+  }
+  // GCC's `_tile_loadconfig` names only the first 8 bytes as its memory operand, so without
+  // this barrier the compiler may drop the stores of the rest of the configuration
+  asm volatile("" : : "r"(&config) : "memory");
+  _tile_loadconfig(&config);
+}
+
+AMX_TARGET void release_tiles() { _tile_release(); }
+
+// one block of 32 rows (from row r0 of the M rows at x) times one packed weight
+AMX_TARGET void tile_rows(const float* x, int64_t M, int64_t K, const uint16_t* packed,
+                          int64_t Kp, int64_t Np, float* out, int64_t N, int64_t r0,
+                          uint16_t* parts) {
+  split_block(x, M, K, Kp, r0, parts);
+  for (int64_t n0 = 0; n0 < N; n0 += kTileBlock)
+    tile_block(parts, Kp, packed, Np, out, M, N, r0, n0);
+}
+#else
+bool tile_ready() { return false; }
+#endif
+
+// x [M, K] fp32 times packed weights (tile_product.py's `pack` of [n, K] bf16 weights):
+// packed [Kp / 2, Np, 2] for every row, or [E, Kp / 2, Np, 2] with group_ends [E] (running
+// row counts: rows group_ends[e - 1] .. group_ends[e] times weight e) -> [M, n] fp32
+at::Tensor tile_product(const at::Tensor& x, const at::Tensor& packed, int64_t n,
+                        const c10::optional<at::Tensor>& group_ends) {
+  TORCH_CHECK(tile_ready(), "tile_product: AMX tiles are not available");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "tile_product: x must be [M, K] float32");
+  const bool grouped = group_ends.has_value();
+  TORCH_CHECK(packed.dim() == (grouped ? 4 : 3) && packed.size(-1) == 2 &&
+                  packed.scalar_type() == at::kBFloat16,
+              "tile_product: packed must be packed bf16 weights ([E,] Kp / 2, Np, 2)");
+  const int64_t M = x.size(0), K = x.size(1), Kp = packed.size(-3) * 2, Np = packed.size(-2);
+  TORCH_CHECK(Kp == (K + 31) / 32 * 32 && n <= Np && Np == (n + 31) / 32 * 32,
+              "tile_product: x, packed and n disagree");
+  const int64_t E = grouped ? packed.size(0) : 1;
+  std::vector<int64_t> ends(E, M);
+  if (grouped) {
+    at::Tensor gc = group_ends->to(at::kLong).contiguous();
+    TORCH_CHECK(gc.dim() == 1 && gc.size(0) == E, "tile_product: group_ends must be [E]");
+    const int64_t* gp = gc.data_ptr<int64_t>();
+    for (int64_t e = 0; e < E; ++e) {
+      TORCH_CHECK(gp[e] >= (e ? gp[e - 1] : 0) && gp[e] <= M,
+                  "tile_product: group_ends must rise from 0 to at most M");
+      ends[e] = gp[e];
+    }
+  }
+  at::Tensor out = at::empty({M, n}, x.options());
+  if (M == 0 || n == 0) return out;
+#if defined(NEXTN_AMX)
+  at::Tensor xc = x.contiguous(), pc = packed.contiguous();
+  const float* xp = xc.data_ptr<float>();
+  const uint16_t* pp = reinterpret_cast<const uint16_t*>(pc.data_ptr<at::BFloat16>());
+  float* op = out.data_ptr<float>();
+  const int64_t weight_size = (Kp / 2) * Np * 2;
+  // work items: each group's blocks of 32 rows
+  std::vector<std::pair<int64_t, int64_t>> items;  // (group, first row)
+  for (int64_t e = 0; e < E; ++e)
+    for (int64_t r = e ? ends[e - 1] : 0; r < ends[e]; r += kTileBlock) items.emplace_back(e, r);
+  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
+    load_tile_config();
+    std::vector<uint16_t> parts(kTileBlock * 3 * Kp);
+    for (int64_t i = begin; i < end; ++i) {
+      const auto [e, r] = items[i];
+      const int64_t first = e ? ends[e - 1] : 0;
+      tile_rows(xp + first * K, ends[e] - first, K, pp + e * weight_size, Kp, Np,
+                op + first * n, n, r - first, parts.data());
+    }
+    release_tiles();
+  });
+  if (grouped && ends[E - 1] < M) out.narrow(0, ends[E - 1], M - ends[E - 1]).zero_();
+#endif
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(nextn_cpu, m) {
@@ -415,6 +615,8 @@ TORCH_LIBRARY(nextn_cpu, m) {
   m.def("indexer_topk(Tensor scores, Tensor lengths, Tensor visible, int k) -> (Tensor, Tensor)");
   m.def("hc_post(Tensor block, Tensor residual, Tensor post, Tensor comb) -> Tensor");
   m.def("sinkhorn(Tensor logits, int iters, float eps) -> Tensor");
+  m.def("tile_ready() -> bool");
+  m.def("tile_product(Tensor x, Tensor packed, int n, Tensor? group_ends=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(nextn_cpu, CPU, m) {
@@ -422,4 +624,7 @@ TORCH_LIBRARY_IMPL(nextn_cpu, CPU, m) {
   m.impl("indexer_topk", &indexer_topk);
   m.impl("hc_post", &hc_post);
   m.impl("sinkhorn", &sinkhorn);
+  m.impl("tile_product", &tile_product);
 }
+
+TORCH_LIBRARY_IMPL(nextn_cpu, CatchAll, m) { m.impl("tile_ready", &tile_ready); }

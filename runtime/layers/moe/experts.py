@@ -35,9 +35,12 @@ from torch import nn
 
 from runtime.core.capture import in_capture
 from runtime.distributed import ParallelGroup, all_reduce
-from runtime.kernels.grouped_gemm import grouped_gemm_op
 from runtime.kernels.narrow_product import narrow_product
-from runtime.layers.narrow_weights import experts_kernel_ready, weight_for_product
+from runtime.layers.narrow_weights import (
+    experts_kernel_ready,
+    grouped_product,
+    weight_for_product,
+)
 from runtime.layers.weight_utils import (
     WeightShapeError,
     copy_checked,
@@ -71,6 +74,8 @@ class FusedMoEExperts(nn.Module):
     # captured steps may read bf16 copies (narrow_weights), gathered per pair then widened
     # inside the product's own kernel, so no fp32 temporary bounds their size
     narrow_weight_names = ("w13_weight", "w2_weight")
+    # and eager prefill chunks their copies packed for AMX tiles (narrow_weights.grouped_product)
+    tile_weight_names = ("w13_weight", "w2_weight")
     narrow_max_numel = None
 
     def __init__(
@@ -211,10 +216,10 @@ class FusedMoEExperts(nn.Module):
         group_ends = torch.cumsum(counts.scatter_add_(0, local, torch.ones_like(local)), 0)
         group_ends = group_ends.to(torch.int32)
         rows = token_of[order]
-        gate_up = grouped_gemm_op(x.index_select(0, rows), self.w13_weight, group_ends)
+        gate_up = grouped_product(x.index_select(0, rows), self, "w13_weight", group_ends)
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         hidden = swiglu(gate, up, self.swiglu_limit)
-        down = grouped_gemm_op(hidden, self.w2_weight, group_ends)
+        down = grouped_product(hidden, self, "w2_weight", group_ends)
         down = down * weights[order].unsqueeze(-1).to(down.dtype)
         return torch.zeros_like(x).index_add_(0, rows, down)
 
