@@ -20,11 +20,11 @@ What an artifact holds and what it does not:
   would have checked at load time, the file name checks instead: `fingerprint` hashes
   everything the trace could have baked in (torch and Python versions, the CPU's vector ISA,
   dynamo's and inductor's settings, the runtime's source files and the module constants of
-  its model code, whether the C++ CPU kernels are loaded, the compile options, the
-  model's structure and configuration, the pools' layout, the shapes of the step's
-  arguments). Anything it covers that differs
-  loads nothing and compiles afresh; a loaded step is also checked against the eager step
-  on the padding batch before it is used (`outputs_match`).
+  its model code, whether the C++ CPU kernels are loaded (and may use AMX tiles), the
+  compile options, the model's structure and configuration, the pools' layout, the shapes
+  of the step's arguments). Anything it covers that differs loads nothing and compiles
+  afresh; a loaded step is also checked against the eager step on the padding batch
+  before it is used (`outputs_match`).
 
 The store keeps itself under `STORE_MAX_BYTES` (`StepStore.prune`, at start-up): an upgrade
 changes every fingerprint, so the previous version's artifacts would otherwise stay forever.
@@ -47,7 +47,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from runtime.kernels import cpu_extension
+from runtime.kernels import cpu_extension, tile_product
 
 logger = logging.getLogger(__name__)
 
@@ -167,6 +167,7 @@ def fingerprint(fn: Callable, args: tuple, options: dict, label: str) -> str:
         source_digest(),
         traced_constants(),
         cpu_extension.available(),
+        cpu_extension.available() and tile_product.ready(),
         label,
         fn.__code__.co_name,
         describe({k: v for k, v in options.items() if not callable(v)}),

@@ -46,12 +46,18 @@ ISA_FLAGS = {
 # (a build takes about 20 s here) is taken as stale and removed
 STALE_LOCK_SECONDS = 300.0
 _lock = threading.Lock()
-_state: dict[str, bool] = {"tried": False, "available": False}
+_state: dict[str, bool] = {"tried": False, "available": False, "tiles": False}
 
 
 def available() -> bool:
     """Whether the kernels are loaded in this process (`load` tried and succeeded)."""
     return _state["available"]
+
+
+def tiles_granted() -> bool:
+    """Whether the loaded kernels may use AMX tiles (the CPU has AMX-BF16 and Linux let the
+    process use the tile registers). Asked once at load, so that a trace only reads it."""
+    return _state["tiles"]
 
 
 def load(cache_dir: Path | str | None = None) -> bool:
@@ -71,7 +77,12 @@ def load(cache_dir: Path | str | None = None) -> bool:
             logger.warning("C++ CPU kernels unavailable, their callers use torch: %s", err)
             return False
         _state["available"] = True
-        logger.info("C++ CPU kernels ready in %.1f s", time.perf_counter() - start)
+        _state["tiles"] = bool(torch.ops.nextn_cpu.tile_ready())
+        logger.info(
+            "C++ CPU kernels ready in %.1f s (AMX tile products: %s)",
+            time.perf_counter() - start,
+            "yes" if _state["tiles"] else "no",
+        )
         return True
 
 

@@ -23,13 +23,11 @@ out once as the tile product reads its second operand: pairs of consecutive `K` 
 each output column side by side, `[Kp / 2, Np, 2]`, `K` and `N` padded with zeros to
 multiples of 32 (the padding contributes exact zeros). The operator needs the project's
 C++ extension (`runtime.kernels.cpu_extension`), a CPU with AMX-BF16 and the Linux
-kernel's permission to use the tile registers, which `ready` asks for once. The reference
-defines correctness.
+kernel's permission to use the tile registers, which the extension asks for once, when it
+loads (`cpu_extension.tiles_granted`). The reference defines correctness.
 """
 
 from __future__ import annotations
-
-import functools
 
 import torch
 import torch.nn.functional as F
@@ -50,14 +48,9 @@ def host_has_tiles() -> bool:
     return bool(probe is not None and probe())
 
 
-@functools.cache
-def _granted() -> bool:
-    return bool(torch.ops.nextn_cpu.tile_ready())
-
-
 def ready() -> bool:
     """The kernel is loaded, the CPU has AMX-BF16 and the process may use its tiles."""
-    return cpu_extension.available() and _granted()
+    return cpu_extension.available() and cpu_extension.tiles_granted()
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:

@@ -64,8 +64,10 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """`logits = hidden @ W^T` over the full vocabulary (shards gathered, padding trimmed)."""
 
-    # captured steps may read a bf16 copy (narrow_weights.linear_product)
+    # captured steps may read a bf16 copy (narrow_weights.linear_product), products of many
+    # rows its AMX tile layout where the CPU has AMX
     narrow_weight_names = ("weight",)
+    tile_weight_names = ("weight",)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = linear_product(hidden, self)
@@ -89,6 +91,7 @@ class HotVocabLMHead(nn.Module):
     """
 
     narrow_weight_names = ("weight",)
+    tile_weight_names = ("weight",)
 
     def __init__(self, head: ParallelLMHead, hot_ids: Sequence[int]):
         super().__init__()

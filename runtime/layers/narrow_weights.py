@@ -53,13 +53,12 @@ The copies cost half the wide weights' memory again.
 
 On a CPU with AMX tiles a module that lists a weight in `tile_weight_names` also keeps it
 packed for the tile kernel (`runtime.kernels.tile_product`, a buffer `<name>_tiles`, the
-same bytes as the bf16 copy again), and an eager product of at least `TILE_MIN_ROWS` rows
-(a prefill chunk) multiplies on the tiles: the rows split into three bf16 parts, every
-product exact, fp32 sums, so again only the order of the sums differs from the fp32
-product, at a fraction of its time (0.67 against 1.84 ms for `[2,048, 256] x [256, 256]`,
-one thread). Captured steps keep the paths above: at 64 rows the tile product measured
-0.036 against 0.072 ms, but a compiled step would need it as an opaque node beside the
-fused reductions, which is not built.
+same bytes as the bf16 copy again), and a product of at least `TILE_MIN_ROWS` rows (a
+prefill chunk eagerly; a captured step of larger batches, where the operator is one opaque
+node) multiplies on the tiles: the rows split into three bf16 parts, every product exact,
+fp32 sums, so again only the order of the sums differs from the fp32 product, at a
+fraction of its time (0.67 against 1.84 ms for `[2,048, 256] x [256, 256]`, 0.012 against
+0.044 ms at 16 rows, one thread) and reading the weight's bf16 bytes.
 """
 
 from __future__ import annotations
@@ -91,9 +90,10 @@ FUSED_MAX_ROWS = 1
 # (`runtime.kernels.narrow_product`) where it is loaded
 KERNEL_MAX_ROWS = 8
 TILE_SUFFIX = "_tiles"
-# eager products over at least this many rows multiply on AMX tiles where the module keeps
-# its weight packed (measured 2x faster than the fp32 GEMM from 64 rows on)
-TILE_MIN_ROWS = 64
+# products over at least this many rows multiply on AMX tiles where the module keeps its
+# weight packed (one thread: 2-3x faster than the fp32 GEMM from 16 rows on; up to
+# `KERNEL_MAX_ROWS` the narrow-weight kernel reads the copy once for all rows)
+TILE_MIN_ROWS = 16
 
 
 def _copy_in_capture(module: nn.Module, name: str) -> torch.Tensor | None:
@@ -176,7 +176,7 @@ def linear_product(
     """`F.linear(x, module.<name>, bias)`, reading what `product_weight` picks for the
     number of rows of `x`."""
     rows = math.prod(x.shape[:-1])
-    tiles = _tiles_for_eager(module, name, x, rows)
+    tiles = _tiles_for(module, name, x, rows)
     if tiles is not None:
         n = getattr(module, name).shape[0]
         y = tile_product.tile_product(x.reshape(rows, x.shape[-1]), tiles, n)
@@ -196,23 +196,24 @@ def grouped_product(
 ) -> torch.Tensor:
     """`x [A, K]`, rows sorted by group, times the module's `<name> [G, N, K]`: rows
     `group_ends[g-1]:group_ends[g]` times `<name>[g]` (`grouped_gemm_op`), on AMX tiles
-    for an eager product of enough rows where the module keeps the weights packed."""
-    tiles = _tiles_for_eager(module, name, x, x.shape[0])
+    for a product of enough rows where the module keeps the weights packed."""
+    tiles = _tiles_for(module, name, x, x.shape[0])
     if tiles is not None:
         n = getattr(module, name).shape[1]
         return tile_product.tile_product(x, tiles, n, group_ends)
     return grouped_gemm_op(x, getattr(module, name), group_ends)
 
 
-def _tiles_for_eager(module: nn.Module, name: str, x: torch.Tensor, rows: int):
-    """The module's packed `name` when an eager product of `rows` rows of `x` should
-    multiply on AMX tiles, else None."""
+def _tiles_for(module: nn.Module, name: str, x: torch.Tensor, rows: int):
+    """The module's packed `name` when a product of `rows` rows of `x` should multiply on
+    AMX tiles (eagerly or in a captured step, without grad: the kernel has no backward),
+    else None."""
     tiles = getattr(module, name + TILE_SUFFIX, None)
-    if tiles is None or rows < TILE_MIN_ROWS or x.dtype != torch.float32 or in_capture():
+    if tiles is None or rows < TILE_MIN_ROWS or x.dtype != torch.float32:
         return None
-    if torch.compiler.is_compiling() or torch.is_grad_enabled() or not tile_product.ready():
+    if torch.is_grad_enabled() or (torch.compiler.is_compiling() and not in_capture()):
         return None
-    return tiles
+    return tiles if tile_product.ready() else None
 
 
 def attach_narrow_copies(

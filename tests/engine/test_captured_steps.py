@@ -30,8 +30,9 @@ from runtime.execution import compile_worker
 from runtime.execution import graph_runner as graph_runner_mod
 from runtime.execution.graph_runner import GraphRunner, StepState, draft_round_function
 from runtime.execution.model_runner import ModelInput, ModelRunner
-from runtime.kernels import cpu_extension
+from runtime.kernels import cpu_extension, tile_product
 from runtime.kernels import grouped_gemm as grouped_gemm_mod
+from runtime.layers import narrow_weights
 from runtime.layers.moe import experts as experts_mod
 from runtime.layers.narrow_weights import attach_narrow_copies
 from runtime.model_loader.build import load_model
@@ -131,6 +132,7 @@ def assert_one_graph(runner: ModelRunner, inp: ModelInput) -> None:
         explanation = torch._dynamo.explain(step)(ctx, ids, hidden)
     reasons = [b.reason for b in explanation.break_reasons]
     assert (explanation.graph_count, explanation.graph_break_count) == (1, 0), reasons
+    return {str(node.target) for graph in explanation.graphs for node in graph.graph.nodes}
 
 
 def nextn_step_inputs(table, target, drafter, steps=3):
@@ -212,10 +214,14 @@ def test_decode_verify_and_draft_steps_trace_to_one_graph(family, narrow, reques
         pytest.skip("the narrow-weight kernel cannot be built here")
     table, target, drafter = make_runners(checkpoint_of(family, request)[0], narrow=narrow)
     target_steps, draft_steps = nextn_step_inputs(table, target, drafter)
+    ops = set()
     for inp in target_steps.values():
-        assert_one_graph(target, inp)
+        ops |= assert_one_graph(target, inp)
     for inp in draft_steps.values():
-        assert_one_graph(drafter, inp)
+        ops |= assert_one_graph(drafter, inp)
+    # the verify's rows (bucket x 4) are enough for the AMX tile products where usable
+    tiles = narrow and tile_product.ready() and BUCKET * 4 >= narrow_weights.TILE_MIN_ROWS
+    assert any("tile_product" in op for op in ops) == tiles, sorted(ops)
 
 
 @pytest.mark.parametrize("hot_vocab", [False, True])

@@ -144,6 +144,7 @@ def test_eager_products_of_many_rows_take_the_tiles(monkeypatch):
 
     monkeypatch.setattr(tile_product, "tile_product", counted)
     many = rows((2, TILE_MIN_ROWS // 2 + 3, 256), seed=10)  # leading dims are flattened
+    assert TILE_MIN_ROWS > 2
     with torch.inference_mode():
         out = linear_product(many, layer, "weight", layer.bias)
     assert calls == [(many.shape[0] * many.shape[1], 256)]
@@ -182,3 +183,20 @@ def test_eager_experts_take_the_grouped_tiles(monkeypatch):
     with torch.inference_mode():
         experts(x, topk_weights, topk_ids)
     assert len(calls) == 2
+
+
+@needs_tiles
+def test_compiled_step_keeps_the_tile_product_as_one_node():
+    weight = bf16_valued((40, 72), seed=15)
+    packed = tile_product.pack(weight.bfloat16())
+    x = rows((48, 72), seed=16)
+
+    def step(x, packed):
+        return torch.nn.functional.silu(tile_product.tile_product(x * 2, packed, 40)).sum(-1)
+
+    explained = torch._dynamo.explain(step)(x, packed)
+    assert explained.graph_count == 1 and explained.graph_break_count == 0
+    torch._dynamo.reset()
+    compiled = torch.compile(step, dynamic=False, options={"cpp_wrapper": True})
+    with torch.inference_mode():
+        torch.testing.assert_close(compiled(x, packed), step(x, packed), rtol=1e-5, atol=1e-5)
