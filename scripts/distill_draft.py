@@ -98,6 +98,9 @@ def main(argv=None) -> dict:
     if output != source:
         shutil.copytree(source, output, dirs_exist_ok=True)  # the hot vocabulary and the rest
     summary["size_mb"] = export_checkpoint(model, tokenizer, output)
+    if "draft_distillation" in summary:  # a further round on a distilled draft: keep the record
+        earlier = summary.get("earlier_draft_distillations", [])
+        summary["earlier_draft_distillations"] = [*earlier, summary["draft_distillation"]]
     summary["draft_distillation"] = {
         "command": " ".join(["-m", PROG, *args.argv]),
         "steps": state.step,

@@ -108,11 +108,7 @@ def _card_reproduce_lines(summary: dict) -> list[str]:
         "",
         "```bash",
         _trainer_command(summary),
-        *(
-            [f"python {summary['draft_distillation']['command']}"]
-            if "draft_distillation" in summary
-            else []
-        ),
+        *(f"python {round_['command']}" for round_ in _distillation_rounds(summary)),
         f"python -m {TRAINER_MODULE} --evaluate-only {summary['output_dir']}",
         "```",
         "",
@@ -148,40 +144,53 @@ def model_card(config: dict, summary: dict, report: dict | None, parity: dict | 
         lines += _card_runtime_lines(report)
     if parity is not None:
         lines.append(_card_parity_line(family.HF_CLASS_NAME, parity))
-    distilled = summary.get("draft_distillation")
-    if distilled is not None:
-        lines += _card_distillation_lines(distilled)
+    rounds = _distillation_rounds(summary)
+    if rounds:
+        lines += _card_distillation_lines(rounds)
     lines += _card_hot_vocab_lines()
     lines += _card_reproduce_lines(summary)
     return "\n".join(lines)
 
 
-def _card_distillation_lines(distilled: dict) -> list[str]:
+def _distillation_rounds(summary: dict) -> list[dict]:
+    """The `scripts.distill_draft` runs on this checkpoint, in order."""
+    latest = summary.get("draft_distillation")
+    return [*summary.get("earlier_draft_distillations", []), *([latest] if latest else [])]
+
+
+def _card_distillation_lines(rounds: list[dict]) -> list[str]:
     """What `scripts.distill_draft` did to the draft, with its held-out chain agreement."""
-    rows = [
-        f"| {k + 1} | {before:.3f} | {after:.3f} |"
-        for k, (before, after) in enumerate(
-            zip(distilled["agreement_before"], distilled["agreement_after"])
-        )
+    runs = [
+        f"`python {r['command']}` ({r['steps']} steps in {r['minutes']:.1f} minutes on "
+        f"{r['threads']} CPU threads, batch {r['batch_size']} x {r['seq_len']} tokens of the "
+        f"train split, AdamW, peak lr {r['lr']:g}, seed {r['seed']})"
+        for r in rounds
     ]
+    first = rounds[0]
+    rows = [
+        "| "
+        + " | ".join(
+            [str(k + 1), f"{before:.3f}"] + [f"{r['agreement_after'][k]:.3f}" for r in rounds]
+        )
+        + " |"
+        for k, before in enumerate(first["agreement_before"])
+    ]
+    after = [f"after run {i + 1}" if len(rounds) > 1 else "after" for i in range(len(rounds))]
     return [
         "",
         "## Draft distillation",
         "",
-        f"After training, `python {distilled['command']}` distilled the MTP layer from the "
-        f"frozen trunk ({distilled['steps']} steps in {distilled['minutes']:.1f} minutes on "
-        f"{distilled['threads']} CPU threads, batch {distilled['batch_size']} x "
-        f"{distilled['seq_len']} tokens of the train split, AdamW, peak lr "
-        f"{distilled['lr']:g}): the draft runs chained for {distilled['num_steps']} steps "
-        "over every row at once, as the runtime chains it, and each step's distribution is "
-        "pulled towards the trunk's (KL divergence). The trunk's weights, and so the "
-        "model's output, are unchanged; the figures above are the distilled draft's.",
+        f"After training, {' then '.join(runs)} distilled the MTP layer from the frozen "
+        f"trunk: the draft runs chained for {first['num_steps']} steps over every row at "
+        "once, as the runtime chains it, and each step's distribution is pulled towards the "
+        "trunk's (KL divergence). The trunk's weights, and so the model's output, are "
+        "unchanged; the figures above are the distilled draft's.",
         "",
-        f"Share of held-out rows ({distilled['heldout_windows']} windows, teacher-forced) "
+        f"Share of held-out rows ({first['heldout_windows']} windows, teacher-forced) "
         "where draft step k's argmax equals the trunk's:",
         "",
-        "| draft step | before | after |",
-        "|---|---|---|",
+        "| draft step | before | " + " | ".join(after) + " |",
+        "|---" * (2 + len(rounds)) + "|",
         *rows,
     ]
 

@@ -305,6 +305,29 @@ def test_distillation_fits_a_batch_and_changes_only_the_draft(trained, tmp_path)
     assert len(summary["draft_distillation"]["agreement_after"]) == 3
     assert "## Draft distillation" in (out / "README.md").read_text()
     assert (out / "freq_2048.json").exists()
+    # a further run in place keeps the first one's record, and the card lists both commands
+    distill_draft.main(
+        [
+            "--model-path",
+            str(out),
+            *flags[4:],
+            "--eval-windows",
+            "8",
+            "--skip-runtime-eval",
+            "--max-steps",
+            "1",
+            "--seed",
+            "1",
+        ]
+    )
+    again = json.loads((out / "training.json").read_text())
+    assert again["earlier_draft_distillations"] == [summary["draft_distillation"]]
+    assert again["draft_distillation"]["steps"] == 1
+    card = (out / "README.md").read_text()
+    assert "after run 2" in card
+    assert all(
+        r["command"] in card for r in (summary["draft_distillation"], again["draft_distillation"])
+    )
     plain = Engine(model_path=str(trained), dtype="float32").generate(PROMPT, GREEDY)
     nextn = Engine(
         model_path=str(out), dtype="float32", speculative_algorithm="NEXTN", speculative_num_steps=3
