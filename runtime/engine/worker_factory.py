@@ -80,8 +80,8 @@ def build_runners(
         narrow_bytes = attach_narrow_copies(captured)
     if narrow_bytes:
         logger.info(
-            "captured steps read bf16 copies of fp32 weights bf16 holds exactly (with their "
-            "AMX tile layout for prefill where the CPU has AMX): %.1f MiB",
+            "captured steps read bf16 copies of fp32 weights bf16 holds exactly (and products "
+            "of many rows their AMX tile layout where the CPU has AMX): %.1f MiB",
             narrow_bytes / 2**20,
         )
     return runners

@@ -167,7 +167,7 @@ def fingerprint(fn: Callable, args: tuple, options: dict, label: str) -> str:
         source_digest(),
         traced_constants(),
         cpu_extension.available(),
-        cpu_extension.available() and tile_product.ready(),
+        tile_product.ready(),
         label,
         fn.__code__.co_name,
         describe({k: v for k, v in options.items() if not callable(v)}),

@@ -29,8 +29,8 @@ _SINGLE = ParallelGroup()
 
 
 class LinearBase(nn.Module):
-    # captured steps may read a bf16 copy (narrow_weights.linear_product), prefill chunks a
-    # copy packed for AMX tiles where the CPU has them
+    # captured steps may read a bf16 copy (narrow_weights.linear_product), products of many
+    # rows a copy packed for AMX tiles where the CPU has them
     narrow_weight_names = ("weight",)
     tile_weight_names = ("weight",)
 

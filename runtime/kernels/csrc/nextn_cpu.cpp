@@ -426,8 +426,9 @@ at::Tensor sinkhorn(const at::Tensor& logits, int64_t iters, double eps_d) {
 // values are exact in fp32, sums in fp32), so only the order of the sums differs from an
 // fp32 product (3xTF32 on GPUs splits the same way). The weight is packed once
 // (tile_product.py's `pack`: [Kp / 2, Np, 2], pairs of K interleaved, as the tile product
-// reads its second operand, K and N padded with zeros to multiples of 32); rows go in blocks of 32 (two tiles), split into a per-thread buffer
-// just before their products, columns in blocks of 32.
+// reads its second operand, K and N padded with zeros to multiples of 32); rows go in
+// blocks of 32 (two tiles), split into a per-thread buffer just before their products,
+// columns in blocks of 32.
 #if defined(NARROW_AVX512) && defined(__linux__) && defined(__GNUC__) && \
     (defined(__clang__) || __GNUC__ >= 11)
 #define NEXTN_AMX 1
@@ -560,7 +561,8 @@ bool tile_ready() { return false; }
 at::Tensor tile_product(const at::Tensor& x, const at::Tensor& packed, int64_t n,
                         const c10::optional<at::Tensor>& group_ends) {
   TORCH_CHECK(tile_ready(), "tile_product: AMX tiles are not available");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "tile_product: x must be [M, K] float32");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat,
+              "tile_product: x must be [M, K] float32");
   const bool grouped = group_ends.has_value();
   TORCH_CHECK(packed.dim() == (grouped ? 4 : 3) && packed.size(-1) == 2 &&
                   packed.scalar_type() == at::kBFloat16,

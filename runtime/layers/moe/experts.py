@@ -74,7 +74,7 @@ class FusedMoEExperts(nn.Module):
     # captured steps may read bf16 copies (narrow_weights), gathered per pair then widened
     # inside the product's own kernel, so no fp32 temporary bounds their size
     narrow_weight_names = ("w13_weight", "w2_weight")
-    # and eager prefill chunks their copies packed for AMX tiles (narrow_weights.grouped_product)
+    # and products of many pairs their copies packed for AMX tiles (narrow_weights.grouped_product)
     tile_weight_names = ("w13_weight", "w2_weight")
     narrow_max_numel = None
 
