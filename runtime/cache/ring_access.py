@@ -35,6 +35,10 @@ class RingAccess:
     # and `fresh_idx` [R, L] (the fresh row, 0 where the key does not exist) reads it
     # directly. None otherwise.
     fresh_idx: torch.Tensor | None = None
+    # Otherwise the fresh keys' places in the flattened [R * L] reads and their fresh rows,
+    # found once here (one host synchronisation per forward, not one per layer)
+    fresh_at: torch.Tensor | None = None
+    fresh_rows: torch.Tensor | None = None
 
 
 def ring_access(
@@ -55,7 +59,10 @@ def ring_access(
     keep = ctx.positions >= ctx.seq_lens[all_req] - ring
     write_rows = keep.nonzero().squeeze(1)
     write_loc = ctx.req_pool_indices[all_req[write_rows]] * ring + ctx.positions[write_rows] % ring
-    fresh_idx = None
     if not any(ctx.prefix_lens_cpu):
         fresh_idx = torch.where(valid, start + key_pos, 0)
-    return RingAccess(read_idx, valid, write_rows, write_loc, fresh_idx)
+        return RingAccess(read_idx, valid, write_rows, write_loc, fresh_idx)
+    flat = read_idx.flatten()
+    fresh_at = (fresh & valid).flatten().nonzero().squeeze(1)
+    fresh_rows = flat.index_select(0, fresh_at) - ring_rows
+    return RingAccess(read_idx, valid, write_rows, write_loc, None, fresh_at, fresh_rows)

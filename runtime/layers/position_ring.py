@@ -17,13 +17,14 @@ def gather_ring(ring_buf: torch.Tensor, fresh: torch.Tensor, access: RingAccess)
     """Rows of the virtual buffer `[ring_buf | fresh]` at `access.read_idx`: `[R, L, D]`
     (rows of keys that do not exist are arbitrary; callers mask them by `read_valid`).
     When no request has a cached prefix, every key is one of this forward's rows: one
-    gather, with no host synchronisation."""
+    gather. Otherwise a gather from the ring, whose fresh places are then overwritten by a
+    row copy at the places the metadata found (`fresh_at`): no host synchronisation and no
+    element-wise masked indexing here (the reads of a 64-prompt chunked prefill took 0.27 s
+    with a mask of fresh keys, 0.20 s so)."""
     if access.fresh_idx is not None:
         return take_rows(fresh, access.fresh_idx).to(ring_buf.dtype)
-    read_idx = access.read_idx
-    num_ring = ring_buf.shape[0]
-    out = take_rows(ring_buf, read_idx.clamp(max=num_ring - 1))
-    from_fresh = read_idx >= num_ring
-    if from_fresh.any():
-        out[from_fresh] = fresh[read_idx[from_fresh] - num_ring].to(out.dtype)
+    out = take_rows(ring_buf, access.read_idx.clamp(max=ring_buf.shape[0] - 1))
+    if access.fresh_at.numel():
+        rows = take_rows(fresh, access.fresh_rows).to(out.dtype)
+        out.view(-1, *out.shape[2:]).index_copy_(0, access.fresh_at, rows)
     return out

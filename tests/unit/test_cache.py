@@ -297,3 +297,48 @@ def test_qwen4_exp_uniform_metadata_numpy_equals_torch(rows_per_req):
         reference = uniform_metadata(ctx, pool, blocks, host=False)
         for a, b in zip(tensors_of(fast), tensors_of(reference), strict=True):
             assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+
+
+@pytest.mark.parametrize("prefix_lens", [[0, 0, 0], [0, 5, 12], [3, 9, 1]])
+def test_ring_reads_equal_the_virtual_buffer(prefix_lens):
+    """`gather_ring` over `ring_access` reads, for every existing key, the row of the
+    virtual buffer `[ring rows | this forward's rows]` its position lives in: ring row
+    `slot * ring + p % ring` for positions before the request's cached prefix, the forward's
+    own row after it; with and without cached prefixes (one gather, or a gather from the
+    ring and a copy of the fresh rows at the places the metadata found)."""
+    from runtime.cache.ring_access import ring_access
+    from runtime.core.forward_context import ForwardContext
+    from runtime.core.forward_mode import ForwardMode
+    from runtime.layers.position_ring import gather_ring
+
+    ring, width, dim = 6, 4, 3
+    t = SlotTable(ReqToTokenPool(3, 64), PagedTokenAllocator(48, 4))
+    reqs = [t.open_request() for _ in range(3)]
+    extend_lens = [4, 7, 2]
+    for r, p, n in zip(reqs, prefix_lens, extend_lens):
+        assert t.reserve(r, p + n)
+    ctx = ForwardContext.build(
+        ForwardMode.EXTEND, reqs, prefix_lens, extend_lens, None, t.req_to_token, None
+    )
+    num_ring_rows = 3 * ring
+    g = torch.Generator().manual_seed(sum(prefix_lens))
+    ring_buf = torch.randn(num_ring_rows, dim, generator=g)
+    fresh = torch.randn(sum(extend_lens), dim, generator=g)
+    rows = torch.arange(sum(extend_lens))
+    key_pos = ctx.positions.unsqueeze(1) - torch.arange(width)  # each row's last 4 positions
+    access = ring_access(ctx, rows, key_pos, ring, num_ring_rows)
+    assert (access.fresh_idx is None) == any(prefix_lens)
+    got = gather_ring(ring_buf, fresh, access)
+    starts = torch.tensor([0, *extend_lens]).cumsum(0)
+    for row in range(len(rows)):
+        b = int(ctx.token_to_req[row])
+        for j in range(width):
+            p = int(key_pos[row, j])
+            assert bool(access.read_valid[row, j]) == (p >= 0)
+            if p < 0:
+                continue
+            if p >= prefix_lens[b]:
+                expected = fresh[starts[b] + p - prefix_lens[b]]
+            else:
+                expected = ring_buf[reqs[b] * ring + p % ring]
+            assert torch.equal(got[row, j], expected)
