@@ -113,7 +113,9 @@ def _build(cache_dir: Path | str | None) -> None:
     torch.library.register_fake("nextn_cpu::indexer_topk")(_indexer_topk_fake)
     torch.library.register_fake("nextn_cpu::hc_post")(_hc_post_fake)
     torch.library.register_fake("nextn_cpu::sinkhorn")(_sinkhorn_fake)
+    torch.library.register_fake("nextn_cpu::rms_norm")(_rms_norm_fake)
     torch.library.register_fake("nextn_cpu::tile_product")(_tile_product_fake)
+    torch.library.register_fake("nextn_cpu::merge_row_keys")(_merge_row_keys_fake)
 
 
 def wait_for_build_lock(
@@ -133,6 +135,10 @@ def wait_for_build_lock(
         time.sleep(min(poll, stale_after - age))
 
 
+def _merge_row_keys_fake(tile_out, tile_lse, q, source, index, valid, sink, scale):
+    return q.new_empty(q.shape)
+
+
 def _narrow_product_fake(x, weight, index=None):
     return x.new_empty((x.shape[0], x.shape[1], weight.shape[1]))
 
@@ -144,6 +150,10 @@ def _indexer_topk_fake(scores, lengths, visible, k):
 
 def _hc_post_fake(block, residual, post, comb):
     return torch.empty_like(residual)
+
+
+def _rms_norm_fake(x, weight, eps):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
 def _sinkhorn_fake(logits, iters, eps):

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from runtime.kernels import cpu_extension
 from runtime.kernels.row_gather import take_rows
 
 
@@ -53,7 +54,8 @@ def mask_bias(valid: torch.Tensor) -> torch.Tensor:
 @dataclass(frozen=True)
 class TileKeys:
     """The keys of prefill rows laid out in tiles of `R` consecutive rows: keys shared by a
-    tile's rows, and (optionally) keys of each row alone."""
+    tile's rows, and (optionally) keys of each row alone, either gathered (`row_kv`) or as
+    rows of a cache (`row_source[row_index]`, read where they lie by the CPU kernel)."""
 
     rows: torch.Tensor  # [N, R] the rows of each tile (`T` pads a short tile)
     row_slot: torch.Tensor  # [T] each row's index in the flattened [N * R] tile layout
@@ -61,9 +63,17 @@ class TileKeys:
     valid: torch.Tensor  # [N, R, Kt]
     row_kv: torch.Tensor | None = None  # [T, Kr, D] keys of each row alone
     row_valid: torch.Tensor | None = None  # [T, Kr]
+    row_source: torch.Tensor | None = None  # [P, D] with row_index: instead of row_kv
+    row_index: torch.Tensor | None = None  # [T, Kr] rows of row_source
+
+    def own_keys(self) -> torch.Tensor | None:
+        """`[T, Kr, D]` keys of each row alone (gathered from the source if need be)."""
+        if self.row_kv is None and self.row_index is not None:
+            return take_rows(self.row_source, self.row_index)
+        return self.row_kv
 
     def unpack(self):
-        return self.rows, self.row_slot, self.kv, self.valid, self.row_kv, self.row_valid
+        return self.rows, self.row_slot, self.kv, self.valid, self.own_keys(), self.row_valid
 
 
 def to_tiles(rows: torch.Tensor, tile_rows: torch.Tensor) -> torch.Tensor:
@@ -116,7 +126,7 @@ def tiled_sink_attention_flash(
     broadcast over the heads (a stride-0 view, no copy). A row that sees no tile key gets
     `l = -inf` (the kernel reports 0 for it). Statistics are fp32 in the kernel and here.
     """
-    tile_rows, row_slot, tile_kv, tile_valid, row_kv, row_valid = keys.unpack()
+    tile_rows, row_slot, tile_kv, tile_valid = keys.rows, keys.row_slot, keys.kv, keys.valid
     num_tiles, tile_len = tile_rows.shape
     heads, dim = q.shape[1:]
     tile_q = to_tiles(q, tile_rows).transpose(1, 2)  # [N, H, R, D]
@@ -128,18 +138,74 @@ def tiled_sink_attention_flash(
     lse = lse.masked_fill(~tile_valid.any(-1).unsqueeze(1), float("-inf"))  # [N, H, R]
     out = take_rows(out.transpose(1, 2).reshape(num_tiles * tile_len, heads, dim), row_slot)
     lse = take_rows(lse.transpose(1, 2).reshape(num_tiles * tile_len, heads), row_slot)  # [T, H]
-    sink = sink.float().view(1, heads)
-    if row_kv is None:
+    if keys.row_kv is None and keys.row_index is None:
+        sink = sink.float().view(1, heads)
         return (out.float() * torch.sigmoid(lse - sink).unsqueeze(-1)).to(q.dtype)
-    # the rows' own keys in fp32: few per row, and CPU products of bf16 batches this
-    # small are several times slower than fp32 ones
-    row_kv = row_kv.float()
+    if keys.row_index is not None:
+        source, index = keys.row_source, keys.row_index
+    else:  # gathered keys: row t's are rows t * Kr .. (t + 1) * Kr of the flattened copy
+        own = keys.row_kv.shape[1]
+        source = keys.row_kv.reshape(-1, dim)
+        index = torch.arange(source.shape[0], device=q.device).view(-1, own)
+    merged = merge_row_keys(out.float(), lse, q.float(), source, index, keys.row_valid, sink, scale)
+    return merged.to(q.dtype)
+
+
+def merge_row_keys_reference(
+    tile_out: torch.Tensor,
+    tile_lse: torch.Tensor,
+    q: torch.Tensor,
+    source: torch.Tensor,
+    index: torch.Tensor,
+    valid: torch.Tensor,
+    sink: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Each row's own keys `source[index[t]]` (masked by `valid [T, Kr]`) merged into its
+    attention over its tile's keys (`tile_out [T, H, D]`, `tile_lse [T, H]`), with the
+    sink, through the log-sum-exp (`tiled_sink_attention_flash`'s formula), in fp32:
+    `[T, H, D]`. The rows' own keys are few, and CPU products of bf16 batches this small
+    are several times slower than fp32 ones."""
+    heads = q.shape[1]
+    row_kv = take_rows(source, index).float()
     row_scores = torch.bmm(q.float(), row_kv.transpose(1, 2)).mul_(scale)
-    row_scores = row_scores.masked_fill_(~row_valid.unsqueeze(1), float("-inf"))  # [T, H, Kr]
-    parts = [lse.unsqueeze(-1), row_scores, sink.expand(lse.shape[0], heads).unsqueeze(-1)]
+    row_scores = row_scores.masked_fill_(~valid.unsqueeze(1), float("-inf"))  # [T, H, Kr]
+    sink = sink.float().view(1, heads)
+    parts = [
+        tile_lse.unsqueeze(-1),
+        row_scores,
+        sink.expand(tile_lse.shape[0], heads).unsqueeze(-1),
+    ]
     total = torch.logsumexp(torch.cat(parts, dim=-1), dim=-1, keepdim=True)  # [T, H, 1]
     own = torch.bmm(torch.exp(row_scores - total), row_kv)
-    return (out.float() * torch.exp(lse.unsqueeze(-1) - total) + own).to(q.dtype)
+    return tile_out.float() * torch.exp(tile_lse.unsqueeze(-1) - total) + own
+
+
+def merge_row_keys(
+    tile_out: torch.Tensor,
+    tile_lse: torch.Tensor,
+    q: torch.Tensor,
+    source: torch.Tensor,
+    index: torch.Tensor,
+    valid: torch.Tensor,
+    sink: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """`merge_row_keys_reference`; eagerly on CPU with the C++ kernels loaded, their
+    `nextn_cpu::merge_row_keys`, which reads each row's keys from `source` where they lie
+    (prefetching the next row's) instead of gathering a `[T, Kr, D]` copy first: in a
+    prefill of 2,048 rows that copy and its products cost about a tenth of the step."""
+    if (
+        q.device.type == "cpu"
+        and source.dtype in (torch.float32, torch.bfloat16)
+        and not torch.is_grad_enabled()  # the kernel has no backward
+        and not torch.compiler.is_compiling()
+        and cpu_extension.available()
+    ):
+        return torch.ops.nextn_cpu.merge_row_keys(
+            tile_out.float(), tile_lse.float(), q.float(), source, index, valid, sink.float(), scale
+        )
+    return merge_row_keys_reference(tile_out, tile_lse, q, source, index, valid, sink, scale)
 
 
 def tiled_sink_attention_bmm(

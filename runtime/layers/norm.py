@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from runtime.kernels.rms_norm import rms_norm, uses_kernel
 from runtime.layers.weight_utils import make_param
 
 
@@ -28,6 +29,8 @@ class RMSNorm(nn.Module):
         nn.init.ones_(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if uses_kernel(x):
+            return rms_norm(x, self.weight, self.eps)  # one pass (same math)
         return (rms_normalize(x, self.eps) * self.weight.float()).to(x.dtype)
 
     def extra_repr(self) -> str:
@@ -42,6 +45,8 @@ class WeightlessRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if uses_kernel(x):
+            return rms_norm(x, None, self.eps)  # one pass (same math)
         return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + self.eps).to(x.dtype)
 
 

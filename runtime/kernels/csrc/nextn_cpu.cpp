@@ -14,9 +14,14 @@
 // nextn_cpu::hc_post and nextn_cpu::sinkhorn: mHC's stream expansion and Sinkhorn
 // normalisation for eager prefill (runtime/kernels/stream_expand.py, sinkhorn.py).
 //
+// nextn_cpu::rms_norm: RMSNorm of fp32 rows in one pass (runtime/kernels/rms_norm.py).
+//
 // nextn_cpu::tile_product, tile_ready: fp32 rows times a bf16 weight on AMX
 // tiles, each row split into three bf16 parts so that every product is exact
-// (runtime/kernels/tile_product.py).
+// (runtime/kernels/tile_product.py).//
+// nextn_cpu::merge_row_keys: a prefill row's own selected keys (DeepSeek-V4 CSA) merged
+// into its attention over its tile's keys, the keys read straight from the cache
+// (runtime/kernels/sink_attention.py).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -26,6 +31,7 @@
 #include <cstdint>
 #include <cstring>
 #include <tuple>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -345,6 +351,259 @@ at::Tensor hc_post(const at::Tensor& block, const at::Tensor& residual, const at
   return out;
 }
 
+// runtime/kernels/sink_attention.py's merge of each row's own keys (DeepSeek-V4 CSA in
+// eager prefill) into its tile attention: for row t and head h, with z_j = scale q.k_j over
+// the row's valid keys k_j = source[index[t, j]], l = tile_lse[t, h] and s = sink[h]:
+//   L = log(exp(l) + sum_j exp(z_j) + exp(s))
+//   out = tile_out * exp(l - L) + sum_j exp(z_j - L) k_j
+// The keys are read from the cache where they lie (no gathered [T, Kr, D] copy written and
+// read back), the next row's keys prefetched while this row's are used. Statistics and
+// sums in fp32; only the order of the sums differs from the torch form.
+inline float dot_lanes(const float* a, const float* b, int64_t D) {
+  constexpr int64_t L = 16;
+  float lanes[L] = {};
+  int64_t d = 0;
+  for (; d + L <= D; d += L)
+    for (int64_t l = 0; l < L; ++l) lanes[l] += a[d + l] * b[d + l];
+  for (int64_t w = L / 2; w >= 1; w /= 2)  // a tree, not a chain of 16 dependent additions
+    for (int64_t l = 0; l < w; ++l) lanes[l] += lanes[l + w];
+  float s = lanes[0];
+  for (; d < D; ++d) s += a[d] * b[d];
+  return s;
+}
+
+#if defined(NARROW_AVX512)
+// exp on 16 lanes: 2^n exp(r), n = round(x log2 e), r = x - n ln 2 (ln 2 in two parts),
+// exp(r) by its Taylor polynomial to r^7 (|r| <= ln 2 / 2: within 2 ulp of expf). Inputs
+// below -110 (-inf included) give exactly 0.
+inline __m512 exp_lanes(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-110.0f));
+  x = _mm512_min_ps(x, _mm512_set1_ps(88.7f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-06f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 5040);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+#endif
+
+#if defined(NARROW_AVX512)
+// merge_heads for D = 16 NV: the query, the accumulators and each key in NV registers
+template <int NV>
+inline void merge_heads_lanes(const float* q, const float* const* keys, int64_t n,
+                              const float* tile_out, const float* tile_lse, const float* sink,
+                              float scale, float* out, int64_t H, float* z) {
+  constexpr int64_t D = 16 * NV;
+  for (int64_t h = 0; h < H; ++h) {
+    __m512 qv[NV];
+    for (int v = 0; v < NV; ++v) qv[v] = _mm512_loadu_ps(q + h * D + 16 * v);
+    const float l = tile_lse[h], s = sink[h];
+    float top = std::max(l, s);
+    for (int64_t i = 0; i < n; ++i) {
+      __m512 acc = _mm512_mul_ps(qv[0], _mm512_loadu_ps(keys[i]));
+      for (int v = 1; v < NV; ++v) acc = _mm512_fmadd_ps(qv[v], _mm512_loadu_ps(keys[i] + 16 * v), acc);
+      z[i] = _mm512_reduce_add_ps(acc) * scale;
+      top = std::max(top, z[i]);
+    }
+    const float el = std::exp(l - top);
+    float sum = el + std::exp(s - top);
+    __m512 sums = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; i += 16) {
+      const __mmask16 m = static_cast<__mmask16>(n - i >= 16 ? 0xFFFFu : (1u << (n - i)) - 1u);
+      const __m512 e = exp_lanes(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, z + i), _mm512_set1_ps(top)));
+      _mm512_mask_storeu_ps(z + i, m, e);
+      sums = _mm512_add_ps(sums, _mm512_maskz_mov_ps(m, e));
+    }
+    sum += _mm512_reduce_add_ps(sums);
+    const float inv = 1.0f / sum;
+    __m512 acc[NV];
+    const __m512 w = _mm512_set1_ps(el * inv);
+    for (int v = 0; v < NV; ++v) acc[v] = _mm512_mul_ps(_mm512_loadu_ps(tile_out + h * D + 16 * v), w);
+    for (int64_t j = 0; j < n; ++j) {
+      const __m512 pj = _mm512_set1_ps(z[j] * inv);
+      for (int v = 0; v < NV; ++v) acc[v] = _mm512_fmadd_ps(pj, _mm512_loadu_ps(keys[j] + 16 * v), acc[v]);
+    }
+    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(out + h * D + 16 * v, acc[v]);
+  }
+}
+#endif
+
+// one row's heads: scores of its n valid keys, the merge through the log-sum-exp
+inline void merge_heads(const float* q, const float* const* keys, int64_t n,
+                        const float* tile_out, const float* tile_lse, const float* sink,
+                        float scale, float* out, int64_t H, int64_t D, float* z) {
+#if defined(NARROW_AVX512)
+  switch (D) {
+    case 16: return merge_heads_lanes<1>(q, keys, n, tile_out, tile_lse, sink, scale, out, H, z);
+    case 32: return merge_heads_lanes<2>(q, keys, n, tile_out, tile_lse, sink, scale, out, H, z);
+    case 64: return merge_heads_lanes<4>(q, keys, n, tile_out, tile_lse, sink, scale, out, H, z);
+    case 128: return merge_heads_lanes<8>(q, keys, n, tile_out, tile_lse, sink, scale, out, H, z);
+    default: break;
+  }
+#endif
+  for (int64_t h = 0; h < H; ++h) {
+    const float* qh = q + h * D;
+    const float l = tile_lse[h], s = sink[h];
+    float top = std::max(l, s);
+    for (int64_t i = 0; i < n; ++i) {
+      z[i] = dot_lanes(qh, keys[i], D) * scale;
+      top = std::max(top, z[i]);
+    }
+    const float el = std::exp(l - top);
+    float sum = el + std::exp(s - top);
+    int64_t i = 0;
+#if defined(NARROW_AVX512)
+    __m512 sums = _mm512_setzero_ps();
+    for (; i < n; i += 16) {
+      const __mmask16 m = static_cast<__mmask16>(n - i >= 16 ? 0xFFFFu : (1u << (n - i)) - 1u);
+      const __m512 e = exp_lanes(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, z + i), _mm512_set1_ps(top)));
+      _mm512_mask_storeu_ps(z + i, m, e);
+      sums = _mm512_add_ps(sums, _mm512_maskz_mov_ps(m, e));
+    }
+    sum += _mm512_reduce_add_ps(sums);
+#else
+    for (; i < n; ++i) {
+      z[i] = std::exp(z[i] - top);
+      sum += z[i];
+    }
+#endif
+    const float inv = 1.0f / sum;
+    const float w = el * inv;
+    const float* o = tile_out + h * D;
+    float* dst = out + h * D;
+    for (int64_t d = 0; d < D; ++d) dst[d] = o[d] * w;
+    for (int64_t j = 0; j < n; ++j) {
+      const float pj = z[j] * inv;
+      const float* k = keys[j];
+      for (int64_t d = 0; d < D; ++d) dst[d] += pj * k[d];
+    }
+  }
+}
+
+template <typename src_t>
+void merge_row_keys_rows(const float* q, const src_t* source, const int64_t* index,
+                         const bool* valid, const float* tile_out, const float* tile_lse,
+                         const float* sink, float scale, float* out, int64_t T, int64_t H,
+                         int64_t D, int64_t Kr) {
+  at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> widened(std::is_same<src_t, float>::value ? 0 : Kr * D);
+    std::vector<const float*> keys(Kr);
+    std::vector<float> z(Kr + 16);
+    const int64_t row_bytes = D * static_cast<int64_t>(sizeof(src_t));
+    for (int64_t t = begin; t < end; ++t) {
+      if (t + 1 < end) {
+        for (int64_t j = 0; j < Kr; ++j) {
+          if (!valid[(t + 1) * Kr + j]) continue;
+          const char* row = reinterpret_cast<const char*>(source + index[(t + 1) * Kr + j] * D);
+          for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(row + b);
+        }
+      }
+      int64_t n = 0;
+      for (int64_t j = 0; j < Kr; ++j) {
+        if (!valid[t * Kr + j]) continue;
+        const src_t* row = source + index[t * Kr + j] * D;
+        if constexpr (std::is_same<src_t, float>::value) {
+          keys[n] = row;
+        } else {
+          float* w = widened.data() + n * D;
+          for (int64_t d = 0; d < D; ++d) w[d] = static_cast<float>(row[d]);
+          keys[n] = w;
+        }
+        ++n;
+      }
+      merge_heads(q + t * H * D, keys.data(), n, tile_out + t * H * D, tile_lse + t * H, sink,
+                  scale, out + t * H * D, H, D, z.data());
+    }
+  });
+}
+
+at::Tensor merge_row_keys(const at::Tensor& tile_out, const at::Tensor& tile_lse,
+                          const at::Tensor& q, const at::Tensor& source, const at::Tensor& index,
+                          const at::Tensor& valid, const at::Tensor& sink, double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat, "merge_row_keys: q [T, H, D] fp32");
+  const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
+  TORCH_CHECK(tile_out.sizes() == q.sizes() && tile_out.scalar_type() == at::kFloat,
+              "merge_row_keys: tile_out [T, H, D] fp32");
+  TORCH_CHECK(tile_lse.dim() == 2 && tile_lse.size(0) == T && tile_lse.size(1) == H &&
+                  tile_lse.scalar_type() == at::kFloat,
+              "merge_row_keys: tile_lse [T, H] fp32");
+  TORCH_CHECK(source.dim() == 2 && source.size(1) == D &&
+                  (source.scalar_type() == at::kFloat || source.scalar_type() == at::kBFloat16),
+              "merge_row_keys: source [P, D] fp32 or bf16");
+  TORCH_CHECK(index.dim() == 2 && index.size(0) == T && index.scalar_type() == at::kLong,
+              "merge_row_keys: index [T, Kr] int64");
+  TORCH_CHECK(valid.sizes() == index.sizes() && valid.scalar_type() == at::kBool,
+              "merge_row_keys: valid [T, Kr] bool");
+  TORCH_CHECK(sink.dim() == 1 && sink.size(0) == H && sink.scalar_type() == at::kFloat,
+              "merge_row_keys: sink [H] fp32");
+  const int64_t Kr = index.size(1), P = source.size(0);
+  at::Tensor ic = index.contiguous(), vc = valid.contiguous();
+  // a key outside the cache would be read out of bounds: refuse it (masked entries too,
+  // so that the check needs no mask)
+  if (ic.numel() > 0) {
+    TORCH_CHECK(ic.min().item<int64_t>() >= 0 && ic.max().item<int64_t>() < P,
+                "merge_row_keys: index out of the source's rows");
+  }
+  at::Tensor out = at::empty({T, H, D}, q.options());
+  if (out.numel() == 0) return out;
+  at::Tensor qc = q.contiguous(), oc = tile_out.contiguous(), lc = tile_lse.contiguous();
+  at::Tensor sc = source.contiguous(), kc = sink.contiguous();
+  const float sc_f = static_cast<float>(scale);
+  if (source.scalar_type() == at::kFloat) {
+    merge_row_keys_rows<float>(qc.data_ptr<float>(), sc.data_ptr<float>(), ic.data_ptr<int64_t>(),
+                               vc.data_ptr<bool>(), oc.data_ptr<float>(), lc.data_ptr<float>(),
+                               kc.data_ptr<float>(), sc_f, out.data_ptr<float>(), T, H, D, Kr);
+  } else {
+    merge_row_keys_rows<at::BFloat16>(
+        qc.data_ptr<float>(), sc.data_ptr<at::BFloat16>(), ic.data_ptr<int64_t>(),
+        vc.data_ptr<bool>(), oc.data_ptr<float>(), lc.data_ptr<float>(), kc.data_ptr<float>(),
+        sc_f, out.data_ptr<float>(), T, H, D, Kr);
+  }
+  return out;
+}
+
+// runtime/kernels/rms_norm.py's RMSNorm of fp32 rows: x * rsqrt(mean(x^2) + eps), times
+// the weight where there is one, in that order (as the torch form: two roundings); one
+// read and one write per row instead of the torch form's four passes. The sum of squares
+// in 16 lanes summed as a tree: only its order differs from torch's mean.
+at::Tensor rms_norm(const at::Tensor& x, const c10::optional<at::Tensor>& weight, double eps) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() >= 1, "rms_norm: fp32 x [..., D]");
+  const int64_t D = x.size(-1);
+  TORCH_CHECK(!weight.has_value() ||
+                  (weight->dim() == 1 && weight->size(0) == D && weight->scalar_type() == at::kFloat),
+              "rms_norm: weight must be [D] fp32");
+  at::Tensor xc = x.contiguous();
+  at::Tensor out = at::empty_like(xc);
+  const int64_t rows = D == 0 ? 0 : xc.numel() / D;
+  if (rows == 0) return out;
+  at::Tensor wc = weight.has_value() ? weight->contiguous() : at::Tensor();
+  const float* src = xc.data_ptr<float>();
+  const float* w = weight.has_value() ? wc.data_ptr<float>() : nullptr;
+  float* dst = out.data_ptr<float>();
+  const float e = static_cast<float>(eps);
+  at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* row = src + r * D;
+      float* o = dst + r * D;
+      const float scale = 1.0f / std::sqrt(dot_lanes(row, row, D) / static_cast<float>(D) + e);
+      if (w != nullptr) {
+        for (int64_t d = 0; d < D; ++d) o[d] = (row[d] * scale) * w[d];
+      } else {
+        for (int64_t d = 0; d < D; ++d) o[d] = row[d] * scale;
+      }
+    }
+  });
+  return out;
+}
+
 // runtime/kernels/sinkhorn.py's normalisation of R matrices [n, n] (fp32): a row softmax
 // plus eps, a column pass, then iters - 1 row and column passes, each dividing by its sum
 // plus eps; the sums in index order as torch's. Blocks of kLanesSk matrices are laid out
@@ -617,8 +876,12 @@ TORCH_LIBRARY(nextn_cpu, m) {
   m.def("indexer_topk(Tensor scores, Tensor lengths, Tensor visible, int k) -> (Tensor, Tensor)");
   m.def("hc_post(Tensor block, Tensor residual, Tensor post, Tensor comb) -> Tensor");
   m.def("sinkhorn(Tensor logits, int iters, float eps) -> Tensor");
+  m.def("rms_norm(Tensor x, Tensor? weight, float eps) -> Tensor");
   m.def("tile_ready() -> bool");
   m.def("tile_product(Tensor x, Tensor packed, int n, Tensor? group_ends=None) -> Tensor");
+  m.def(
+      "merge_row_keys(Tensor tile_out, Tensor tile_lse, Tensor q, Tensor source, Tensor index, "
+      "Tensor valid, Tensor sink, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(nextn_cpu, CPU, m) {
@@ -626,7 +889,9 @@ TORCH_LIBRARY_IMPL(nextn_cpu, CPU, m) {
   m.impl("indexer_topk", &indexer_topk);
   m.impl("hc_post", &hc_post);
   m.impl("sinkhorn", &sinkhorn);
+  m.impl("rms_norm", &rms_norm);
   m.impl("tile_product", &tile_product);
+  m.impl("merge_row_keys", &merge_row_keys);
 }
 
 TORCH_LIBRARY_IMPL(nextn_cpu, CatchAll, m) { m.impl("tile_ready", &tile_ready); }

@@ -322,7 +322,7 @@ class DeepseekV4Attention(nn.Module):
         tile_kv, tile_valid = gather_ring(swa_buf, kv, window.ring), window.valid
         swa_buf[window.ring.write_loc] = kv[window.ring.write_rows].to(swa_buf.dtype)
 
-        row_kv = row_valid = None
+        row_source = row_index = row_valid = None
         if self.compressor is not None:
             layer = self.cache_layer
             access = meta.compress[self.compress_ratio]
@@ -358,10 +358,19 @@ class DeepseekV4Attention(nn.Module):
                     pool.indexer_k[layer],
                     rope,
                 )
-                rows = access.read_loc.gather(1, selected.clamp(max=num_entries - 1))
-                row_kv = take_rows(pool.compressed_kv[layer], rows)
+                # read where they lie (`merge_row_keys`), not gathered into a copy
+                row_index = access.read_loc.gather(1, selected.clamp(max=num_entries - 1))
+                row_source = pool.compressed_kv[layer]
 
-        keys = TileKeys(tiles.rows, tiles.row_slot, tile_kv, tile_valid, row_kv, row_valid)
+        keys = TileKeys(
+            tiles.rows,
+            tiles.row_slot,
+            tile_kv,
+            tile_valid,
+            row_valid=row_valid,
+            row_source=row_source,
+            row_index=row_index,
+        )
         return tiled_sink_attention(q, keys, self.attn_sink, self.scale)
 
     def _attend_uniform(
