@@ -114,6 +114,7 @@ def _build(cache_dir: Path | str | None) -> None:
     torch.library.register_fake("nextn_cpu::hc_post")(_hc_post_fake)
     torch.library.register_fake("nextn_cpu::sinkhorn")(_sinkhorn_fake)
     torch.library.register_fake("nextn_cpu::rms_norm")(_rms_norm_fake)
+    torch.library.register_fake("nextn_cpu::swiglu")(_swiglu_fake)
     torch.library.register_fake("nextn_cpu::tile_product")(_tile_product_fake)
     torch.library.register_fake("nextn_cpu::merge_row_keys")(_merge_row_keys_fake)
 
@@ -154,6 +155,10 @@ def _hc_post_fake(block, residual, post, comb):
 
 def _rms_norm_fake(x, weight, eps):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+def _swiglu_fake(gate, up, limit):
+    return gate.new_empty(gate.shape)
 
 
 def _sinkhorn_fake(logits, iters, eps):

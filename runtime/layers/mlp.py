@@ -7,8 +7,8 @@ import torch
 from torch import nn
 
 from runtime.distributed import ParallelGroup
+from runtime.kernels.swiglu import swiglu
 from runtime.layers.linear import MergedColumnParallelLinear, RowParallelLinear
-from runtime.layers.moe.experts import swiglu
 
 _SINGLE = ParallelGroup()
 

@@ -14,7 +14,8 @@
 // nextn_cpu::hc_post and nextn_cpu::sinkhorn: mHC's stream expansion and Sinkhorn
 // normalisation for eager prefill (runtime/kernels/stream_expand.py, sinkhorn.py).
 //
-// nextn_cpu::rms_norm: RMSNorm of fp32 rows in one pass (runtime/kernels/rms_norm.py).
+// nextn_cpu::rms_norm and swiglu: RMSNorm and the clamped SwiGLU of fp32 rows in one pass
+// (runtime/kernels/rms_norm.py, swiglu.py).
 //
 // nextn_cpu::tile_product, tile_ready: fp32 rows times a bf16 weight on AMX
 // tiles, each row split into three bf16 parts so that every product is exact
@@ -604,6 +605,56 @@ at::Tensor rms_norm(const at::Tensor& x, const c10::optional<at::Tensor>& weight
   return out;
 }
 
+// runtime/kernels/swiglu.py: silu(min(gate, limit)) * clamp(up, -limit, limit) (no clamp
+// without a limit) over fp32 rows in one pass, silu as g / (1 + exp(-g)) like torch's CPU
+// kernel (16-lane exponential on AVX-512; NaN passes through the clamps as in torch).
+at::Tensor swiglu(const at::Tensor& gate, const at::Tensor& up, c10::optional<double> limit) {
+  TORCH_CHECK(gate.dim() == 2 && up.sizes() == gate.sizes() &&
+                  gate.scalar_type() == at::kFloat && up.scalar_type() == at::kFloat,
+              "swiglu: gate and up must be [P, I] fp32");
+  TORCH_CHECK((gate.size(1) <= 1 || gate.stride(1) == 1) && (up.size(1) <= 1 || up.stride(1) == 1),
+              "swiglu: rows must be contiguous");
+  const int64_t P = gate.size(0), I = gate.size(1);
+  at::Tensor out = at::empty({P, I}, gate.options());
+  if (out.numel() == 0) return out;
+  const float* g = gate.data_ptr<float>();
+  const float* u = up.data_ptr<float>();
+  const int64_t gs = gate.stride(0), us = up.stride(0);
+  float* o = out.data_ptr<float>();
+  const bool clamp = limit.has_value();
+  const float L = clamp ? static_cast<float>(*limit) : 0.0f;
+  at::parallel_for(0, P, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* gr = g + r * gs;
+      const float* ur = u + r * us;
+      float* orow = o + r * I;
+      int64_t i = 0;
+#if defined(NARROW_AVX512)
+      const __m512 lim = _mm512_set1_ps(L), neg = _mm512_set1_ps(-L), one = _mm512_set1_ps(1.0f);
+      for (; i + 16 <= I; i += 16) {
+        __m512 gv = _mm512_loadu_ps(gr + i), uv = _mm512_loadu_ps(ur + i);
+        if (clamp) {  // the operand order keeps NaN (min/max return their second on NaN)
+          gv = _mm512_min_ps(lim, gv);
+          uv = _mm512_max_ps(neg, _mm512_min_ps(lim, uv));
+        }
+        const __m512 e = exp_lanes(_mm512_sub_ps(_mm512_setzero_ps(), gv));
+        const __m512 silu = _mm512_div_ps(gv, _mm512_add_ps(one, e));
+        _mm512_storeu_ps(orow + i, _mm512_mul_ps(silu, uv));
+      }
+#endif
+      for (; i < I; ++i) {
+        float gv = gr[i], uv = ur[i];
+        if (clamp) {
+          gv = std::isnan(gv) ? gv : std::min(gv, L);
+          uv = std::isnan(uv) ? uv : std::max(-L, std::min(uv, L));
+        }
+        orow[i] = gv / (1.0f + std::exp(-gv)) * uv;
+      }
+    }
+  });
+  return out;
+}
+
 // runtime/kernels/sinkhorn.py's normalisation of R matrices [n, n] (fp32): a row softmax
 // plus eps, a column pass, then iters - 1 row and column passes, each dividing by its sum
 // plus eps; the sums in index order as torch's. Blocks of kLanesSk matrices are laid out
@@ -877,6 +928,7 @@ TORCH_LIBRARY(nextn_cpu, m) {
   m.def("hc_post(Tensor block, Tensor residual, Tensor post, Tensor comb) -> Tensor");
   m.def("sinkhorn(Tensor logits, int iters, float eps) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor? weight, float eps) -> Tensor");
+  m.def("swiglu(Tensor gate, Tensor up, float? limit) -> Tensor");
   m.def("tile_ready() -> bool");
   m.def("tile_product(Tensor x, Tensor packed, int n, Tensor? group_ends=None) -> Tensor");
   m.def(
@@ -890,6 +942,7 @@ TORCH_LIBRARY_IMPL(nextn_cpu, CPU, m) {
   m.impl("hc_post", &hc_post);
   m.impl("sinkhorn", &sinkhorn);
   m.impl("rms_norm", &rms_norm);
+  m.impl("swiglu", &swiglu);
   m.impl("tile_product", &tile_product);
   m.impl("merge_row_keys", &merge_row_keys);
 }

@@ -30,12 +30,12 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from runtime.core.capture import in_capture
 from runtime.distributed import ParallelGroup, all_reduce
 from runtime.kernels.narrow_product import narrow_product
+from runtime.kernels.swiglu import swiglu
 from runtime.layers.narrow_weights import (
     experts_kernel_ready,
     grouped_product,
@@ -60,14 +60,6 @@ SORTED_MIN_PAIRS = 64
 # (one thread): kernel 0.03 / 0.06 / 0.12 / 0.19 / 0.33 / 1.19 ms against sorted fp32
 # 0.06 / 0.12 / 0.22 / 0.29 / 0.40 / 0.82 ms at 2 / 8 / 32 / 64 / 128 / 512 pairs.
 KERNEL_MAX_PAIRS = 128
-
-
-def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float | None) -> torch.Tensor:
-    """`silu(gate) * up`, with DeepSeek-V4's clamp (gate <= limit, |up| <= limit) when set."""
-    if limit is not None:
-        gate = gate.clamp(max=limit)
-        up = up.clamp(min=-limit, max=limit)
-    return F.silu(gate) * up
 
 
 class FusedMoEExperts(nn.Module):

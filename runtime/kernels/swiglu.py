@@ -1,0 +1,49 @@
+# SPDX-License-Identifier: Apache-2.0
+"""SwiGLU with DeepSeek-V4's clamp, for eager steps on CPU:
+
+    out = silu(min(gate, limit)) * clamp(up, -limit, limit)      (no clamp without a limit)
+
+The torch form makes four passes over the experts' `[pairs, intermediate]` activations
+(two clamps, silu, product), each writing a temporary; the C++ kernel
+(`nextn_cpu::swiglu` in `csrc/nextn_cpu.cpp`) reads the gate and up halves once and writes
+the product once, silu as `g / (1 + exp(-g))` as torch's CPU kernel computes it (its
+exponential within an ulp or two of torch's). Compiled steps keep the torch form, which the
+compiler fuses itself.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from runtime.kernels import cpu_extension
+
+
+def swiglu_reference(gate: torch.Tensor, up: torch.Tensor, limit: float | None) -> torch.Tensor:
+    """The torch form (the test oracle)."""
+    if limit is not None:
+        gate = gate.clamp(max=limit)
+        up = up.clamp(min=-limit, max=limit)
+    return F.silu(gate) * up
+
+
+def uses_kernel(gate: torch.Tensor, up: torch.Tensor) -> bool:
+    """Whether `swiglu` takes the kernel: fp32 `[P, I]` halves on CPU whose rows are
+    contiguous, eagerly, without grad, with the C++ kernels loaded."""
+    return (
+        gate.dim() == 2
+        and gate.shape == up.shape
+        and gate.dtype == up.dtype == torch.float32
+        and gate.device.type == "cpu"
+        and gate.stride(-1) == up.stride(-1) == 1
+        and not torch.is_grad_enabled()  # the kernel has no backward
+        and not torch.compiler.is_compiling()
+        and cpu_extension.available()
+    )
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float | None) -> torch.Tensor:
+    """`swiglu_reference`, by the kernel where `uses_kernel` allows."""
+    if uses_kernel(gate, up):
+        return torch.ops.nextn_cpu.swiglu(gate, up, limit)
+    return swiglu_reference(gate, up, limit)
