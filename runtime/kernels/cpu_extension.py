@@ -54,6 +54,18 @@ def available() -> bool:
     return _state["available"]
 
 
+def serves_eagerly(x: torch.Tensor) -> bool:
+    """Whether a kernel here may compute on `x` instead of its torch form: the kernels are
+    loaded, `x` is on CPU, the call is eager (compiled steps keep the torch forms, which the
+    compiler fuses) and without grad (the kernels have no backward)."""
+    return (
+        _state["available"]
+        and x.device.type == "cpu"
+        and not torch.is_grad_enabled()
+        and not torch.compiler.is_compiling()
+    )
+
+
 def tiles_granted() -> bool:
     """Whether the loaded kernels may use AMX tiles (the CPU has AMX-BF16 and Linux let the
     process use the tile registers). Asked once at load, so that a trace only reads it."""

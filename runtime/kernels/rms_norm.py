@@ -27,15 +27,9 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor | None, eps: float)
 
 
 def uses_kernel(x: torch.Tensor) -> bool:
-    """Whether `rms_norm` takes the kernel for `x`: fp32 on CPU, eagerly, without grad
-    (the kernel has no backward), with the C++ kernels loaded."""
-    return (
-        x.dtype == torch.float32
-        and x.device.type == "cpu"
-        and not torch.is_grad_enabled()
-        and not torch.compiler.is_compiling()
-        and cpu_extension.available()
-    )
+    """Whether `rms_norm` takes the kernel for `x`: fp32, where the kernels serve it
+    (`cpu_extension.serves_eagerly`: CPU, eager, no grad, loaded)."""
+    return x.dtype == torch.float32 and cpu_extension.serves_eagerly(x)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:

@@ -195,13 +195,7 @@ def merge_row_keys(
     `nextn_cpu::merge_row_keys`, which reads each row's keys from `source` where they lie
     (prefetching the next row's) instead of gathering a `[T, Kr, D]` copy first: in a
     prefill of 2,048 rows that copy and its products cost about a tenth of the step."""
-    if (
-        q.device.type == "cpu"
-        and source.dtype in (torch.float32, torch.bfloat16)
-        and not torch.is_grad_enabled()  # the kernel has no backward
-        and not torch.compiler.is_compiling()
-        and cpu_extension.available()
-    ):
+    if source.dtype in (torch.float32, torch.bfloat16) and cpu_extension.serves_eagerly(q):
         return torch.ops.nextn_cpu.merge_row_keys(
             tile_out.float(), tile_lse.float(), q.float(), source, index, valid, sink.float(), scale
         )

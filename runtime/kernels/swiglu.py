@@ -28,17 +28,15 @@ def swiglu_reference(gate: torch.Tensor, up: torch.Tensor, limit: float | None) 
 
 
 def uses_kernel(gate: torch.Tensor, up: torch.Tensor) -> bool:
-    """Whether `swiglu` takes the kernel: fp32 `[P, I]` halves on CPU whose rows are
-    contiguous, eagerly, without grad, with the C++ kernels loaded."""
+    """Whether `swiglu` takes the kernel: fp32 `[P, I]` halves whose rows are contiguous,
+    where the kernels serve them (`cpu_extension.serves_eagerly`: CPU, eager, no grad,
+    loaded)."""
     return (
         gate.dim() == 2
         and gate.shape == up.shape
         and gate.dtype == up.dtype == torch.float32
-        and gate.device.type == "cpu"
         and gate.stride(-1) == up.stride(-1) == 1
-        and not torch.is_grad_enabled()  # the kernel has no backward
-        and not torch.compiler.is_compiling()
-        and cpu_extension.available()
+        and cpu_extension.serves_eagerly(gate)
     )
 
 

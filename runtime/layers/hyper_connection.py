@@ -98,12 +98,9 @@ def hc_post(
     dtype = residual.dtype
     compiling = torch.compiler.is_compiling()
     if (
-        not compiling
-        and residual.device.type == "cpu"
-        and residual.dtype in EXPANDED_DTYPES
+        residual.dtype in EXPANDED_DTYPES
         and block_out.dtype == dtype
-        and not torch.is_grad_enabled()  # the kernel has no backward
-        and cpu_extension.available()
+        and cpu_extension.serves_eagerly(residual)
     ):
         return expand_streams(block_out, residual, post, comb)
     mixed = torch.bmm(comb.to(dtype).transpose(1, 2), residual)

@@ -19,7 +19,8 @@
 //
 // nextn_cpu::tile_product, tile_ready: fp32 rows times a bf16 weight on AMX
 // tiles, each row split into three bf16 parts so that every product is exact
-// (runtime/kernels/tile_product.py).//
+// (runtime/kernels/tile_product.py).
+//
 // nextn_cpu::merge_row_keys: a prefill row's own selected keys (DeepSeek-V4 CSA) merged
 // into its attention over its tile's keys, the keys read straight from the cache
 // (runtime/kernels/sink_attention.py).
@@ -396,6 +397,28 @@ inline __m512 exp_lanes(__m512 x) {
 }
 #endif
 
+// z[i] <- exp(z[i] - top) for i < n; returns `sum` plus theirs (16 lanes at a time on
+// AVX-512, added to `sum` once; one by one otherwise)
+inline float exp_shifted_sum(float* z, int64_t n, float top, float sum) {
+#if defined(NARROW_AVX512)
+  __m512 sums = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = static_cast<__mmask16>(n - i >= 16 ? 0xFFFFu : (1u << (n - i)) - 1u);
+    const __m512 z_top = _mm512_sub_ps(_mm512_maskz_loadu_ps(m, z + i), _mm512_set1_ps(top));
+    const __m512 e = exp_lanes(z_top);
+    _mm512_mask_storeu_ps(z + i, m, e);
+    sums = _mm512_add_ps(sums, _mm512_maskz_mov_ps(m, e));
+  }
+  return sum + _mm512_reduce_add_ps(sums);
+#else
+  for (int64_t i = 0; i < n; ++i) {
+    z[i] = std::exp(z[i] - top);
+    sum += z[i];
+  }
+  return sum;
+#endif
+}
+
 #if defined(NARROW_AVX512)
 // merge_heads for D = 16 NV: the query, the accumulators and each key in NV registers
 template <int NV>
@@ -410,27 +433,21 @@ inline void merge_heads_lanes(const float* q, const float* const* keys, int64_t 
     float top = std::max(l, s);
     for (int64_t i = 0; i < n; ++i) {
       __m512 acc = _mm512_mul_ps(qv[0], _mm512_loadu_ps(keys[i]));
-      for (int v = 1; v < NV; ++v) acc = _mm512_fmadd_ps(qv[v], _mm512_loadu_ps(keys[i] + 16 * v), acc);
+      for (int v = 1; v < NV; ++v)
+        acc = _mm512_fmadd_ps(qv[v], _mm512_loadu_ps(keys[i] + 16 * v), acc);
       z[i] = _mm512_reduce_add_ps(acc) * scale;
       top = std::max(top, z[i]);
     }
     const float el = std::exp(l - top);
-    float sum = el + std::exp(s - top);
-    __m512 sums = _mm512_setzero_ps();
-    for (int64_t i = 0; i < n; i += 16) {
-      const __mmask16 m = static_cast<__mmask16>(n - i >= 16 ? 0xFFFFu : (1u << (n - i)) - 1u);
-      const __m512 e = exp_lanes(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, z + i), _mm512_set1_ps(top)));
-      _mm512_mask_storeu_ps(z + i, m, e);
-      sums = _mm512_add_ps(sums, _mm512_maskz_mov_ps(m, e));
-    }
-    sum += _mm512_reduce_add_ps(sums);
-    const float inv = 1.0f / sum;
+    const float inv = 1.0f / exp_shifted_sum(z, n, top, el + std::exp(s - top));
     __m512 acc[NV];
     const __m512 w = _mm512_set1_ps(el * inv);
-    for (int v = 0; v < NV; ++v) acc[v] = _mm512_mul_ps(_mm512_loadu_ps(tile_out + h * D + 16 * v), w);
+    for (int v = 0; v < NV; ++v)
+      acc[v] = _mm512_mul_ps(_mm512_loadu_ps(tile_out + h * D + 16 * v), w);
     for (int64_t j = 0; j < n; ++j) {
       const __m512 pj = _mm512_set1_ps(z[j] * inv);
-      for (int v = 0; v < NV; ++v) acc[v] = _mm512_fmadd_ps(pj, _mm512_loadu_ps(keys[j] + 16 * v), acc[v]);
+      for (int v = 0; v < NV; ++v)
+        acc[v] = _mm512_fmadd_ps(pj, _mm512_loadu_ps(keys[j] + 16 * v), acc[v]);
     }
     for (int v = 0; v < NV; ++v) _mm512_storeu_ps(out + h * D + 16 * v, acc[v]);
   }
@@ -459,24 +476,7 @@ inline void merge_heads(const float* q, const float* const* keys, int64_t n,
       top = std::max(top, z[i]);
     }
     const float el = std::exp(l - top);
-    float sum = el + std::exp(s - top);
-    int64_t i = 0;
-#if defined(NARROW_AVX512)
-    __m512 sums = _mm512_setzero_ps();
-    for (; i < n; i += 16) {
-      const __mmask16 m = static_cast<__mmask16>(n - i >= 16 ? 0xFFFFu : (1u << (n - i)) - 1u);
-      const __m512 e = exp_lanes(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, z + i), _mm512_set1_ps(top)));
-      _mm512_mask_storeu_ps(z + i, m, e);
-      sums = _mm512_add_ps(sums, _mm512_maskz_mov_ps(m, e));
-    }
-    sum += _mm512_reduce_add_ps(sums);
-#else
-    for (; i < n; ++i) {
-      z[i] = std::exp(z[i] - top);
-      sum += z[i];
-    }
-#endif
-    const float inv = 1.0f / sum;
+    const float inv = 1.0f / exp_shifted_sum(z, n, top, el + std::exp(s - top));
     const float w = el * inv;
     const float* o = tile_out + h * D;
     float* dst = out + h * D;
@@ -529,7 +529,8 @@ void merge_row_keys_rows(const float* q, const src_t* source, const int64_t* ind
 at::Tensor merge_row_keys(const at::Tensor& tile_out, const at::Tensor& tile_lse,
                           const at::Tensor& q, const at::Tensor& source, const at::Tensor& index,
                           const at::Tensor& valid, const at::Tensor& sink, double scale) {
-  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat, "merge_row_keys: q [T, H, D] fp32");
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat,
+              "merge_row_keys: q [T, H, D] fp32");
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
   TORCH_CHECK(tile_out.sizes() == q.sizes() && tile_out.scalar_type() == at::kFloat,
               "merge_row_keys: tile_out [T, H, D] fp32");
@@ -559,9 +560,10 @@ at::Tensor merge_row_keys(const at::Tensor& tile_out, const at::Tensor& tile_lse
   at::Tensor sc = source.contiguous(), kc = sink.contiguous();
   const float sc_f = static_cast<float>(scale);
   if (source.scalar_type() == at::kFloat) {
-    merge_row_keys_rows<float>(qc.data_ptr<float>(), sc.data_ptr<float>(), ic.data_ptr<int64_t>(),
-                               vc.data_ptr<bool>(), oc.data_ptr<float>(), lc.data_ptr<float>(),
-                               kc.data_ptr<float>(), sc_f, out.data_ptr<float>(), T, H, D, Kr);
+    merge_row_keys_rows<float>(qc.data_ptr<float>(), sc.data_ptr<float>(),
+                               ic.data_ptr<int64_t>(), vc.data_ptr<bool>(), oc.data_ptr<float>(),
+                               lc.data_ptr<float>(), kc.data_ptr<float>(), sc_f,
+                               out.data_ptr<float>(), T, H, D, Kr);
   } else {
     merge_row_keys_rows<at::BFloat16>(
         qc.data_ptr<float>(), sc.data_ptr<at::BFloat16>(), ic.data_ptr<int64_t>(),
@@ -578,8 +580,8 @@ at::Tensor merge_row_keys(const at::Tensor& tile_out, const at::Tensor& tile_lse
 at::Tensor rms_norm(const at::Tensor& x, const c10::optional<at::Tensor>& weight, double eps) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() >= 1, "rms_norm: fp32 x [..., D]");
   const int64_t D = x.size(-1);
-  TORCH_CHECK(!weight.has_value() ||
-                  (weight->dim() == 1 && weight->size(0) == D && weight->scalar_type() == at::kFloat),
+  TORCH_CHECK(!weight.has_value() || (weight->dim() == 1 && weight->size(0) == D &&
+                                       weight->scalar_type() == at::kFloat),
               "rms_norm: weight must be [D] fp32");
   at::Tensor xc = x.contiguous();
   at::Tensor out = at::empty_like(xc);
@@ -612,7 +614,8 @@ at::Tensor swiglu(const at::Tensor& gate, const at::Tensor& up, c10::optional<do
   TORCH_CHECK(gate.dim() == 2 && up.sizes() == gate.sizes() &&
                   gate.scalar_type() == at::kFloat && up.scalar_type() == at::kFloat,
               "swiglu: gate and up must be [P, I] fp32");
-  TORCH_CHECK((gate.size(1) <= 1 || gate.stride(1) == 1) && (up.size(1) <= 1 || up.stride(1) == 1),
+  TORCH_CHECK((gate.size(1) <= 1 || gate.stride(1) == 1) &&
+                  (up.size(1) <= 1 || up.stride(1) == 1),
               "swiglu: rows must be contiguous");
   const int64_t P = gate.size(0), I = gate.size(1);
   at::Tensor out = at::empty({P, I}, gate.options());
