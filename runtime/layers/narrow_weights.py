@@ -204,6 +204,11 @@ def grouped_product(
     return grouped_gemm_op(x, getattr(module, name), group_ends)
 
 
+def has_tiles(module: nn.Module, name: str) -> bool:
+    """Whether the module keeps `name` packed for AMX tiles and the tile kernel is ready."""
+    return getattr(module, name + TILE_SUFFIX, None) is not None and tile_product.ready()
+
+
 def _tiles_for(module: nn.Module, name: str, x: torch.Tensor, rows: int):
     """The module's packed `name` when a product of `rows` rows of `x` should multiply on
     AMX tiles (eagerly or in a captured step, without grad: the kernel has no backward),

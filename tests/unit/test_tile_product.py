@@ -14,6 +14,7 @@ from runtime.configs.capture import default_cache_dir
 from runtime.kernels import cpu_extension, tile_product
 from runtime.layers import narrow_weights
 from runtime.layers.linear import ReplicatedLinear
+from runtime.layers.moe import experts as experts_mod
 from runtime.layers.moe.experts import FusedMoEExperts
 from runtime.layers.narrow_weights import TILE_MIN_ROWS, attach_narrow_copies, linear_product
 
@@ -200,3 +201,43 @@ def test_compiled_step_keeps_the_tile_product_as_one_node():
     compiled = torch.compile(step, dynamic=False, options={"cpp_wrapper": True})
     with torch.inference_mode():
         torch.testing.assert_close(compiled(x, packed), step(x, packed), rtol=1e-5, atol=1e-5)
+
+
+@needs_tiles
+@pytest.mark.parametrize("tiles", [True, False])
+def test_captured_experts_leave_the_narrow_kernel_for_the_tiles_sooner(tiles):
+    """Inside a captured step the routed experts take the narrow-weight kernel up to
+    `KERNEL_MAX_PAIRS_BESIDE_TILES` pairs where their weights are packed for the tiles and
+    the sorted form on the tiles above it; without packed weights the kernel keeps every
+    step up to `KERNEL_MAX_PAIRS` pairs (the sorted form over fp32 weights is slower there).
+    Every form gives the eager result."""
+    experts = FusedMoEExperts(num_experts=8, hidden_size=64, intermediate_size=32)
+    experts.w13_weight.data = bf16_valued(experts.w13_weight.shape, seed=17, scale=0.2)
+    experts.w2_weight.data = bf16_valued(experts.w2_weight.shape, seed=18, scale=0.2)
+    attach_narrow_copies([experts], min_numel=1, tiles=tiles)
+    assert hasattr(experts, "w2_weight_tiles") == tiles
+    limit = experts_mod.KERNEL_MAX_PAIRS_BESIDE_TILES if tiles else experts_mod.KERNEL_MAX_PAIRS
+    assert experts.kernel_max_pairs() == limit
+    assert experts_mod.KERNEL_MAX_PAIRS_BESIDE_TILES < experts_mod.KERNEL_MAX_PAIRS
+    for tokens in (limit // 2, limit // 2 + 1):  # top-2: `limit` pairs, then two more
+        g = torch.Generator().manual_seed(tokens)
+        x = rows((tokens, 64), seed=tokens)
+        topk_ids = torch.stack([torch.randperm(8, generator=g)[:2] for _ in range(tokens)])
+        topk_weights = torch.rand(tokens, 2, generator=g)
+        ops: list[str] = []
+
+        def recording_backend(gm, example_inputs, ops=ops):
+            ops.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+            return gm.forward
+
+        with torch.inference_mode():
+            eager = experts(x, topk_weights, topk_ids)
+            torch._dynamo.reset()
+            traced = torch.compile(experts, backend=recording_backend, fullgraph=True)
+            captured = traced(x, topk_weights, topk_ids)
+        narrow = any("narrow_product" in op for op in ops)
+        tiled = any("tile_product" in op for op in ops)
+        # above the limit the sorted form: on the tiles where packed, else a grouped GEMM
+        assert (narrow, tiled) == ((True, False) if 2 * tokens <= limit else (False, tiles))
+        torch.testing.assert_close(captured, eager, rtol=1e-5, atol=1e-5)
+    torch._dynamo.reset()

@@ -18,9 +18,11 @@ Two formulations of this rank's piece, summed the same way.
   the compiler fuses the gather into the product: fewer operators, so faster while there
   are few pairs, but each pair reads its expert's weights again.
 * Narrow (captured steps on CPU up to `KERNEL_MAX_PAIRS` pairs, where the narrow-weight
-  kernel is loaded and the weights have bf16 copies): the gathered formulation's shapes,
-  but the kernel (`runtime.kernels.narrow_product`) groups the pairs by expert itself, so
-  each chosen expert's bf16 copy is read once for all its pairs.
+  kernel is loaded and the weights have bf16 copies; up to `KERNEL_MAX_PAIRS_BESIDE_TILES`
+  where they are also packed for AMX tiles, which the sorted form then multiplies on): the
+  gathered formulation's shapes, but the kernel (`runtime.kernels.narrow_product`) groups
+  the pairs by expert itself, so each chosen expert's bf16 copy is read once for all its
+  pairs.
 Eagerly, pairs routed to another rank's experts are dropped; in a captured step they weigh
 zero (the shapes stay fixed).
 """
@@ -39,6 +41,7 @@ from runtime.kernels.swiglu import swiglu
 from runtime.layers.narrow_weights import (
     experts_kernel_ready,
     grouped_product,
+    has_tiles,
     weight_for_product,
 )
 from runtime.layers.weight_utils import (
@@ -60,6 +63,12 @@ SORTED_MIN_PAIRS = 64
 # (one thread): kernel 0.03 / 0.06 / 0.12 / 0.19 / 0.33 / 1.19 ms against sorted fp32
 # 0.06 / 0.12 / 0.22 / 0.29 / 0.40 / 0.82 ms at 2 / 8 / 32 / 64 / 128 / 512 pairs.
 KERNEL_MAX_PAIRS = 128
+# Where the weights are packed for AMX tiles, the sorted form multiplies on them
+# (`grouped_product`) and overtakes the kernel sooner. The same layers in turn, eager calls
+# of both forms as a captured step makes them (one thread, a 2-core AVX-512/AMX CPU): kernel
+# 0.23 / 0.34 / 0.47 / 0.56 / 0.76 ms against sorted on tiles 0.34 / 0.36 / 0.43 / 0.44 /
+# 0.50 ms at 32 / 64 / 96 / 128 / 192 pairs (a one-off probe).
+KERNEL_MAX_PAIRS_BESIDE_TILES = 64
 
 
 class FusedMoEExperts(nn.Module):
@@ -168,7 +177,7 @@ class FusedMoEExperts(nn.Module):
         """`x [T, H]`, `topk_weights/ids [T, k]` -> `sum_k w_k * expert_{id_k}(x)`, `[T, H]`."""
         if not in_capture():
             piece = self.forward_sorted(x, topk_weights, topk_ids, fixed_shape=False)
-        elif topk_ids.numel() <= KERNEL_MAX_PAIRS and self.kernel_ready(x):
+        elif topk_ids.numel() <= self.kernel_max_pairs() and self.kernel_ready(x):
             piece = self.forward_narrow(x, topk_weights, topk_ids)
         elif x.device.type == "cpu" and topk_ids.numel() >= SORTED_MIN_PAIRS:
             piece = self.forward_sorted(x, topk_weights, topk_ids, fixed_shape=True)
@@ -230,6 +239,13 @@ class FusedMoEExperts(nn.Module):
             return torch.bmm(rows, weight.transpose(1, 2))
 
         return self._per_pair(x, topk_weights, topk_ids, gathered)
+
+    def kernel_max_pairs(self) -> int:
+        """The most pairs a captured step sends through the narrow-weight kernel: fewer where
+        the sorted form multiplies on AMX tiles."""
+        if all(has_tiles(self, name) for name in self.tile_weight_names):
+            return min(KERNEL_MAX_PAIRS, KERNEL_MAX_PAIRS_BESIDE_TILES)
+        return KERNEL_MAX_PAIRS
 
     def kernel_ready(self, x: torch.Tensor) -> bool:
         """Whether this step's products can go through the narrow-weight kernel (inside a
