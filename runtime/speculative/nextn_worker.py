@@ -181,9 +181,10 @@ class NextNWorker:
         """Verify writes up to `seq_len - 1 + S`, draft steps up to `seq_len + 2S - 2`."""
         return 2 * self.spec.num_steps
 
-    def speculates(self, batch_size: int) -> bool:
-        """Whether a decode step over `batch_size` requests runs verify rounds."""
-        return self.policy.speculates(batch_size)
+    def speculates(self, reqs: Sequence[Req]) -> bool:
+        """Whether a decode step over `reqs` runs verify rounds (a measured policy weighs
+        their own acceptance so far)."""
+        return self.policy.speculates(len(reqs), [round_history(r) for r in reqs])
 
     def step(
         self, prefill: Sequence[Chunk], decode: Sequence[Req]
@@ -192,14 +193,14 @@ class NextNWorker:
         decode_out, speculated, caught_up = [], False, False
         counters = (self.stats.verify_rounds, self.stats.emitted_tokens)
         if decode:
-            speculated = self.speculates(len(decode))
+            speculated = self.speculates(decode)
             if speculated:
                 fresh = self._catch_up(decode)
                 caught_up = bool(fresh)
                 decode_out = self._verify(decode, fresh)
             else:
                 decode_out = self._decode_plain(decode)
-        prefill_out = self._prefill(prefill, len(decode)) if prefill else []
+        prefill_out = self._prefill(prefill, decode) if prefill else []
         if self.policy.measured:
             pure_decode = len(decode) if decode and not prefill else 0
             self._time_step(pure_decode, speculated, caught_up, counters)
@@ -337,12 +338,12 @@ class NextNWorker:
             drafts += self.drafter.draft(batch)
         return drafts
 
-    def _prefill(self, chunks: Sequence[Chunk], num_decoding: int) -> list[TokenOutput]:
+    def _prefill(self, chunks: Sequence[Chunk], decoding: Sequence[Req]) -> list[TokenOutput]:
         """Target extend, a token for every chunk that completes its prompt, then the draft
         over the same rows (proposing only for the completing chunks), except for chunks
         it defers (`_defers`)."""
         outputs, hidden = self._target_over(chunks, ForwardMode.EXTEND)
-        defer = self._defers(chunks, num_decoding)
+        defer = self._defers(chunks, decoding)
         now = [i for i, deferred in enumerate(defer) if not deferred]
         if now:
             rows = hidden if len(now) == len(chunks) else hidden[chunk_rows(chunks, now)]
@@ -370,7 +371,7 @@ class NextNWorker:
             if chunk.completes or chunk.resumes:
                 output.draft_tokens = DRAFTS_TO_COME * self.spec.num_steps
 
-    def _defers(self, chunks: Sequence[Chunk], num_decoding: int) -> list[bool]:
+    def _defers(self, chunks: Sequence[Chunk], decoding: Sequence[Req]) -> list[bool]:
         """Which chunks leave their rows to the draft's catch-up (`UndraftedRows`) instead
         of a draft pass now. While the next decode step is expected to run without
         speculation (the policy's choice for this step's decode batch plus the requests
@@ -385,8 +386,7 @@ class NextNWorker:
             return [False] * len(chunks)  # nothing skipped, nothing to skip
         if self.drafter.runner.model.kv_reach is None:
             return [False] * len(chunks)
-        joining = sum(c.completes for c in chunks)
-        off = not self.speculates(num_decoding + joining)
+        off = not self.speculates([*decoding, *(c.req for c in chunks if c.completes)])
         return [off or c.req.rid in self.undrafted for c in chunks]
 
     def _verify(self, reqs: Sequence[Req], fresh: dict[str, list[int]]) -> list[TokenOutput]:
@@ -487,6 +487,13 @@ class NextNWorker:
 # ---------------------------------------------------------------------------------------
 # Round inputs
 # ---------------------------------------------------------------------------------------
+
+
+def round_history(req: Req) -> tuple[int, int]:
+    """`(rounds, tokens)` a request's verify rounds have yielded so far (accepted drafts plus
+    each round's own token)."""
+    accepted = sum(m * rounds for m, rounds in enumerate(req.spec_accept_hist))
+    return req.spec_verify_ct, req.spec_verify_ct + accepted
 
 
 def measured_buckets(target: ModelRunner):

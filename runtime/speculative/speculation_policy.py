@@ -11,9 +11,14 @@ the model, the dtype and the drafts' acceptance, so the default (`auto`) measure
   `limit` requests run without speculation (None: every step speculates).
 * `MeasuredSpeculation` times decode steps (everything the engine does per step, a
   server's streaming included), per captured batch bucket and mode (verify round or plain
-  decode step), as the median of the newest few, with the rounds' accept length (tokens
-  per request per round, an exponentially weighted mean over request-rounds, from every
-  step that ran rounds). A bucket speculates while
+  decode step), as the median of the newest few. A batch's accept length (tokens per
+  request per round) is the mean of its requests' own, each request's rounds so far
+  shrunk toward the traffic's accept length (an exponentially weighted mean over the
+  request-rounds of every step that ran rounds, with a memory of a few hundred) by
+  `prior_rounds` rounds of it: a batch of requests that accept little (the slow end of a
+  batch whose others finished) does not make the next, fresh batch decode plainly, and
+  one round of a large batch, whose mean swings by a tenth, does not flip the choice. A
+  bucket speculates while
   `accept_length x plain_seconds >= (1 + margin) x round_seconds`: a round's tokens would
   take longer as plain steps, by a margin (15%) for what speculating costs outside its
   rounds (the draft's pass over each prompt's newest window, which waits while steps run
@@ -50,7 +55,7 @@ from __future__ import annotations
 
 import statistics
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 
@@ -62,7 +67,7 @@ class FixedLimit:
     def __init__(self, limit: int | None):
         self.limit = limit
 
-    def speculates(self, batch_size: int) -> bool:
+    def speculates(self, batch_size: int, history: Sequence[tuple[int, int]] = ()) -> bool:
         return self.limit is None or batch_size < self.limit
 
     def reset(self) -> None:
@@ -110,6 +115,7 @@ class BucketCosts:
     probe_speculates: bool = False
     period: int = 0  # steps between probes now (0: no probe has started here yet)
     speculating: bool | None = None  # the latest choice outside a probe (None: none yet)
+    accept_length: float | None = None  # the latest batch's (None: the traffic's)
 
 
 class MeasuredSpeculation:
@@ -127,12 +133,14 @@ class MeasuredSpeculation:
         probe: int = 4,
         period: int = 64,
         max_period: int = 1024,
-        smoothing: float = 0.2,
+        smoothing: float = 1 / 256,
+        prior_rounds: float = 4.0,
         margin: float = 0.15,
         hysteresis: float = 0.15,
     ):
         self.bucket_for = bucket_for
         self.warmup, self.probe, self.period, self.smoothing = warmup, probe, period, smoothing
+        self.prior_rounds = prior_rounds
         self.max_period, self.margin, self.hysteresis = max_period, margin, hysteresis
         self.buckets: dict[int, BucketCosts] = {}
         self.request_rounds = 0  # rounds seen, one per request in each
@@ -149,6 +157,17 @@ class MeasuredSpeculation:
         """Tokens per request per round: the exponentially weighted mean over request-rounds
         (bias-corrected, as Adam's moments, so the first rounds are not pulled to zero)."""
         return self._accept_sum / self._accept_weight if self._accept_weight else None
+
+    def batch_accept_length(self, history: Sequence[tuple[int, int]]) -> float | None:
+        """Expected tokens per request per round of a batch whose requests ran `(rounds,
+        tokens)` so far: the mean over the requests of `(prior_rounds x traffic's +
+        tokens) / (prior_rounds + rounds)` (the traffic's `accept_length` where `history`
+        is empty; None before any round)."""
+        prior = self.accept_length
+        if prior is None or not history:
+            return prior
+        weight = self.prior_rounds
+        return statistics.fmean((weight * prior + t) / (weight + r) for r, t in history)
 
     def record_accept(self, requests: int, tokens_per_request: float) -> None:
         """A step's rounds: `requests` of them yielding `tokens_per_request` on average. Each
@@ -204,12 +223,17 @@ class MeasuredSpeculation:
         if self.request_rounds < self.warmup:
             return True
         margin = self.margin + (self.hysteresis if costs.speculating is False else 0.0)
-        return self.accept_length * plain_s >= (1 + margin) * round_s
+        accept = self.accept_length if costs.accept_length is None else costs.accept_length
+        return accept * plain_s >= (1 + margin) * round_s
 
-    def speculates(self, batch_size: int) -> bool:
+    def speculates(self, batch_size: int, history: Sequence[tuple[int, int]] = ()) -> bool:
+        """Whether a decode step of `batch_size` requests runs a verify round; `history`:
+        each request's `(rounds, tokens)` so far (`batch_accept_length`; empty: the
+        traffic's accept length stands for the batch's)."""
         costs = self.buckets.get(self.bucket_of(batch_size))
         if costs is None:
             return True  # nothing measured here yet
+        costs.accept_length = self.batch_accept_length(history) if history else None
         if costs.probe_left:
             return costs.probe_speculates
         costs.speculating = self.speculation_pays(costs)
@@ -257,6 +281,8 @@ class MeasuredSpeculation:
                 "rounds": costs.round.samples,
                 "plain_steps": costs.plain.samples,
             }
+            if costs.accept_length is not None:
+                out[str(bucket)]["batch_accept_length"] = round(costs.accept_length, 3)
             if costs.calibrated is not None:
                 round_s, plain_s = costs.calibrated
                 out[str(bucket)].update(
@@ -282,7 +308,7 @@ class StepTimer:
         self.bucket_of, self.speculate = bucket_of, speculate
         self.seconds: dict[int, list[float]] = {}
 
-    def speculates(self, batch_size: int) -> bool:
+    def speculates(self, batch_size: int, history: Sequence[tuple[int, int]] = ()) -> bool:
         return self.speculate
 
     def record(self, batch_size: int, speculated: bool, seconds: float, *, settled=True) -> None:

@@ -325,7 +325,7 @@ def record_modes(worker) -> list[tuple[int, bool]]:
 
     def recording(prefill, decode):
         if decode:
-            modes.append((len(decode), worker.speculates(len(decode))))
+            modes.append((len(decode), worker.speculates(decode)))
         return step(prefill, decode)
 
     worker.step = recording

@@ -272,3 +272,66 @@ def test_a_step_timer_keeps_the_settled_steps_of_its_mode_by_bucket():
     timer.record(1, False, 0.5)  # not its mode
     timer.record_accept(4, 1.0)  # made-up prompts: ignored
     assert timer.seconds == {4: [0.02, 0.03], 1: [0.01]}
+
+
+def test_a_batch_accept_length_is_its_requests_own_shrunk_toward_the_traffics():
+    policy = MeasuredSpeculation(bucket_for, prior_rounds=4)
+    assert policy.batch_accept_length([(3, 9)]) is None  # no round of the traffic yet
+    policy.record_accept(16, 3.0)
+    assert policy.batch_accept_length([]) == pytest.approx(3.0)
+    # a fresh request: the traffic's 3.0; one with 4 rounds of 2 tokens: (4 x 3 + 8) / 8
+    assert policy.batch_accept_length([(0, 0), (4, 8)]) == pytest.approx((3.0 + 2.5) / 2)
+    assert policy.batch_accept_length([(400, 400)]) == pytest.approx((12 + 400) / 404)
+
+
+def slow_tail_then_fresh_batch(policy) -> bool:
+    """Batch 16 speculating at 3.3 tokens a round (calibrated: a round 2.57 plain steps, so
+    rounds pay up to the margin from 2.96 tokens on), then the batch's four slowest
+    requests finishing alone in bucket 4 at 2.2 tokens a round, then a fresh batch of 16:
+    whether that batch speculates."""
+    policy.calibrate(16, [0.027] * 4, [0.0105] * 4)
+    policy.calibrate(4, [0.012] * 4, [0.005] * 4)
+    rounds = [(0, 0)] * 16
+    for _ in range(15):
+        policy.speculates(16, rounds)
+        policy.record_accept(16, 3.3)
+        policy.record(16, True, 0.027)
+        rounds = [(r + 1, t + 3.3) for r, t in rounds]
+    slow = [(15, 15 * 2.6)] * 4
+    for _ in range(8):
+        policy.speculates(4, slow)
+        policy.record_accept(4, 2.2)
+        policy.record(4, True, 0.012)
+        slow = [(r + 1, t + 2.2) for r, t in slow]
+    return policy.speculates(16, [(0, 0)] * 16)
+
+
+def test_a_fresh_batch_is_not_judged_by_the_slow_end_of_the_one_before():
+    """The traffic's accept length remembers a few hundred request-rounds, so the last
+    rounds of a batch's slowest requests (32 request-rounds at 2.2 after 240 at 3.3) leave
+    it above the break-even and a fresh batch speculates. With the earlier memory of a few
+    request-rounds (smoothing 0.2) the tail set it to 2.2 and the fresh batch decoded
+    plainly."""
+    assert slow_tail_then_fresh_batch(MeasuredSpeculation(bucket_for, warmup=1, period=1000))
+    short_memory = MeasuredSpeculation(bucket_for, warmup=1, period=1000, smoothing=0.2)
+    assert not slow_tail_then_fresh_batch(short_memory)
+
+
+def test_one_poor_round_of_a_large_batch_does_not_flip_its_bucket():
+    """A batch of 16 whose requests accepted 3.3 a round over 10 rounds has one round at
+    2.5 on average (a swing of 0.8, about what 16 requests' mean does now and then): its
+    requests' own histories keep the batch near 3.2, above the break-even 2.96, so it
+    keeps speculating, where the traffic's short-memory mean alone would have fallen to
+    2.5 and, once plain, needed the hysteresis as well to come back."""
+    policy = MeasuredSpeculation(bucket_for, warmup=1, period=1000, smoothing=0.2)
+    policy.calibrate(16, [0.027] * 4, [0.0105] * 4)
+    history = [(10, 33.0)] * 16
+    policy.record_accept(16, 3.3)
+    assert policy.speculates(16, history)
+    policy.record_accept(16, 2.5)
+    history = [(11, 35.5)] * 16
+    assert policy.speculates(16, history)
+    assert policy.describe()["16"]["batch_accept_length"] == pytest.approx(
+        (4 * policy.accept_length + 35.5) / 15, abs=1e-3
+    )
+    assert not policy.speculates(16)  # the traffic's mean alone: 2.5
