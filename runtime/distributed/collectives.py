@@ -12,13 +12,14 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
+from runtime.core.capture import compiling
 from runtime.distributed.mapping import ParallelGroup
 
 
 def all_reduce(x: torch.Tensor, group: ParallelGroup) -> torch.Tensor:
     if group.size == 1:
         return x
-    if torch.compiler.is_compiling():
+    if compiling():
         return funcol.all_reduce(x, "sum", group.group)
     dist.all_reduce(x, group=group.group)
     return x
@@ -27,7 +28,7 @@ def all_reduce(x: torch.Tensor, group: ParallelGroup) -> torch.Tensor:
 def all_gather_last_dim(x: torch.Tensor, group: ParallelGroup) -> torch.Tensor:
     if group.size == 1:
         return x
-    if torch.compiler.is_compiling():
+    if compiling():
         # inductor's C++ wrapper cannot call the functional all-gather; a sum of each rank's
         # slice placed among zeros is the same gather (x + 0 is x exactly)
         zeros = x.new_zeros(x.shape)

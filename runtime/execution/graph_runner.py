@@ -48,6 +48,7 @@ from dataclasses import dataclass, fields, is_dataclass
 import torch
 
 from runtime.configs.capture import CaptureConfig
+from runtime.core.capture import compiling_here
 from runtime.core.forward_context import ForwardContext
 from runtime.core.forward_mode import CaptureHiddenMode, ForwardMode
 from runtime.core.model_output import LogitsProcessorOutput
@@ -593,6 +594,7 @@ class GraphRunner:
             with (
                 torch.inference_mode(),
                 _compile_lock,
+                compiling_here(),  # this thread's compile, not the serving thread's eager steps
                 guard_skipping.compiling(),
                 patient_collectives(),
             ):

@@ -32,6 +32,8 @@ from pathlib import Path
 
 import torch
 
+from runtime.core.capture import compiling
+
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "nextn_cpu.cpp"
@@ -62,7 +64,7 @@ def serves_eagerly(x: torch.Tensor) -> bool:
         _state["available"]
         and x.device.type == "cpu"
         and not torch.is_grad_enabled()
-        and not torch.compiler.is_compiling()
+        and not compiling()
     )
 
 

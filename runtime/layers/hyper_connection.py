@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from runtime.core.capture import compiling
 from runtime.kernels import cpu_extension
 from runtime.kernels.sinkhorn import sinkhorn
 from runtime.kernels.stream_expand import expand_streams
@@ -32,7 +33,7 @@ def _mixes(x: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
     (squares, mean, scaling, product), which at prefill sizes is what this costs; compiled
     steps keep the normalisation the compiler fuses."""
     flat = x.flatten(1).float()
-    if torch.compiler.is_compiling():
+    if compiling():
         return F.linear(rms_normalize(flat, norm_eps), fn.float())
     mean_square = torch.linalg.vector_norm(flat, dim=-1, keepdim=True).square_() / flat.shape[1]
     return F.linear(flat, fn.float()).mul_(torch.rsqrt(mean_square.add_(norm_eps)))
@@ -56,7 +57,7 @@ def hc_pre(
     Returns `y [T, H]` (x's dtype), `post [T, hc]` and `comb [T, hc, hc]` (fp32), where
     `comb[t, i, o]` weighs input stream i into output stream o.
     """
-    compute = _hc_pre_region if COMPILE_HC_PRE_ONCE and torch.compiler.is_compiling() else _hc_pre
+    compute = _hc_pre_region if COMPILE_HC_PRE_ONCE and compiling() else _hc_pre
     return compute(x, fn, scale, base, norm_eps, hc_eps, sinkhorn_iters)
 
 
@@ -76,7 +77,7 @@ def _collapse(weights: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """`sum_i weights[t, i] * x[t, i]` -> [T, H] in x's dtype. Eagerly as one batched
     product (same values, half the time of a product and a sum over `[T, hc, H]` on CPU);
     compiled steps keep the element-wise form, which the compiler fuses."""
-    if torch.compiler.is_compiling():
+    if compiling():
         return (weights.unsqueeze(-1) * x).sum(dim=1).to(x.dtype)
     return torch.bmm(weights.unsqueeze(1), x.float()).squeeze(1).to(x.dtype)
 
@@ -96,7 +97,6 @@ def hc_post(
     separate product, expansion and addition make twice as many). Compiled steps keep the
     form the compiler fuses."""
     dtype = residual.dtype
-    compiling = torch.compiler.is_compiling()
     if (
         residual.dtype in EXPANDED_DTYPES
         and block_out.dtype == dtype
@@ -104,7 +104,7 @@ def hc_post(
     ):
         return expand_streams(block_out, residual, post, comb)
     mixed = torch.bmm(comb.to(dtype).transpose(1, 2), residual)
-    if compiling:
+    if compiling():
         return post.to(dtype).unsqueeze(-1) * block_out.unsqueeze(1) + mixed
     return mixed.addcmul_(post.to(dtype).unsqueeze(-1), block_out.unsqueeze(1))
 

@@ -9,6 +9,8 @@ import math
 import torch
 from torch import nn
 
+from runtime.core.capture import compiling
+
 
 def _yarn_inv_freq(base: float, dim: int, params: dict) -> tuple[torch.Tensor, float]:
     factor = float(params["factor"])
@@ -98,7 +100,7 @@ class RotaryEmbedding(nn.Module):
             sin = -sin
         rd, dim = self.rotary_dim, x.shape[-1]
         lo = dim - rd if self.rotate_tail else 0
-        if self.interleaved and not torch.compiler.is_compiling():
+        if self.interleaved and not compiling():
             return self._rotate_pairs_eagerly(x, cos, sin, lo)
         rot = x[..., lo : lo + rd].float()
         if self.interleaved:
