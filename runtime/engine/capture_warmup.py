@@ -19,7 +19,7 @@ from collections.abc import Callable
 from runtime.core.forward_mode import ForwardMode
 from runtime.engine.speculation_calibration import calibrate_speculation
 from runtime.execution.graph_runner import StepKey, no_new_compiles
-from runtime.speculative.speculation_policy import PlainThenSpeculate
+from runtime.speculative.speculation_policy import FixedLimit
 
 logger = logging.getLogger(__name__)
 
@@ -62,13 +62,10 @@ def warm_up(engine, num_tokens: int = 8, sampled: bool = True) -> None:
     Where greedy NEXTN rounds run as one fused step (`CapturedRound`), a sampled request
     (`sampled`) meets the steps of the round run step by step, which every other request
     uses. Where speculation may be off (in large batches, or in any bucket its measured
-    policy chooses), another greedy one decodes its first steps without speculating, then
-    speculates: it meets the plain decode step and the draft's catch-up over the skipped
-    rows (the draft's round of separate steps, which greedy fused rounds never run: a
-    benchmark compiling inline otherwise met its compile in a timed run, 35 s at once). It
-    runs eagerly, so those steps compile only at the buckets a batch meets
-    (`compile_buckets`), not at its own batch size. The prefix cache forgets them all, and
-    a measured policy the warm-up's timings."""
+    policy chooses), another greedy one decodes without speculating; it runs eagerly, so
+    its plain decode step compiles only at the buckets a batch meets (`compile_buckets`),
+    not at its own batch size. The prefix cache forgets them all, and a measured policy
+    the warm-up's timings."""
     bos = engine.bos_token_id
     width = engine.spec_config.num_draft_tokens if engine.spec_config else 1
     prompt = [bos if bos is not None else 0] + list(range(3, 3 + 2 * width))
@@ -83,7 +80,7 @@ def warm_up(engine, num_tokens: int = 8, sampled: bool = True) -> None:
     if policy is not None and policy.plain_from() is not None:
         graph_runners = [r.graph_runner for r in captured_runners(engine)]
         try:
-            worker.policy = PlainThenSpeculate(plain_steps=3)
+            worker.policy = FixedLimit(1)
             with no_new_compiles(graph_runners):
                 engine.generate(input_ids=prompt, sampling_params=params)
         finally:

@@ -296,33 +296,6 @@ class MeasuredSpeculation:
         return out
 
 
-class PlainThenSpeculate:
-    """A warm-up's policy: the first `plain_steps` decisions decode plainly, every later one
-    speculates, so one request meets what a switch back to speculation runs (the draft's
-    catch-up over the skipped rows and its round over them), which a request that only
-    speculates or only decodes plainly never does."""
-
-    measured = False
-
-    def __init__(self, plain_steps: int):
-        self.plain_left = plain_steps
-
-    def speculates(self, batch_size: int, history: Sequence[tuple[int, int]] = ()) -> bool:
-        if self.plain_left:
-            self.plain_left -= 1
-            return False
-        return True
-
-    def reset(self) -> None:
-        """Nothing measured to forget."""
-
-    def plain_from(self) -> int | None:
-        return 1
-
-    def describe(self) -> dict:
-        return {}
-
-
 class StepTimer:
     """Every decode step in one mode (`speculate`), each settled step's time kept by
     bucket: a calibration run before the traffic (`runtime.engine.speculation_calibration`)

@@ -25,7 +25,6 @@ from runtime.cache import PagedTokenAllocator, ReqToTokenPool, SlotTable
 from runtime.configs.capture import DISABLE_ENV, CaptureConfig, default_cache_dir
 from runtime.configs.model_config import ModelConfig
 from runtime.core.forward_mode import CaptureHiddenMode, ForwardMode
-from runtime.engine import capture_warmup
 from runtime.engine.capture_warmup import captured_runners
 from runtime.execution import compile_worker
 from runtime.execution import graph_runner as graph_runner_mod
@@ -686,29 +685,3 @@ def test_serving_while_steps_compile_in_the_background(request, monkeypatch, eag
         for thread in capture:
             niceness = os.getpriority(os.PRIO_PROCESS, thread.native_id)
             assert niceness == min(mine + compile_worker.COMPILE_NICENESS, 19)
-
-
-def test_the_warm_up_meets_the_drafts_catch_up_where_speculation_may_be_off(monkeypatch):
-    """A greedy warm-up (the benchmarks') runs fused NEXTN rounds, which never run the
-    draft's round of separate steps; a catch-up after plain steps does. Where the policy may
-    decode plainly, the warm-up's plain request switches to speculation after three plain
-    decisions, so the draft's round is seen and compiles with the other kinds (a benchmark
-    compiling inline met it in a timed run before). Nothing compiles here."""
-    monkeypatch.delenv(DISABLE_ENV, raising=False)
-    monkeypatch.setattr(GraphRunner, "_schedule", lambda self, step: None)  # all stay eager
-    engine = Engine(dtype="float32", cuda_graph_bs=[1, 2], speculative_algorithm="NEXTN")
-    if not engine.worker.captured_round.enabled():
-        pytest.skip("fused NEXTN rounds are off here")
-    worker = engine.worker
-    caught_up = []
-    catch_up = worker._catch_up
-    monkeypatch.setattr(
-        worker, "_catch_up", lambda reqs: caught_up.append(catch_up(reqs)) or caught_up[-1]
-    )
-    capture_warmup.warm_up(engine, sampled=False)
-    assert any(caught_up)  # a step drafted over skipped rows before its round
-    draft_keys = set(engine.worker.drafter.runner.graph_runner._steps)
-    assert any(key.draft_steps for key in draft_keys)
-    plain = [k for k in engine.runner.graph_runner._steps if k.mode is ForwardMode.DECODE]
-    assert plain  # and the target's plain decode step
-    assert engine.worker.policy.measured  # the engine's own policy is back
