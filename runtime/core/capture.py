@@ -8,8 +8,8 @@ fixed-shape form, and pick by this.
 `torch.compiler.is_compiling()` is one flag for the whole process: while any thread
 compiles, it is True in every thread (dynamo holds it for a whole compile). So while the
 graph runner compiles a step in its background thread, the serving thread's eager steps
-would take the captured steps' forms and leave the eager kernels, which made a batch's
-eager pass over tens of seconds. The graph runner marks the thread it compiles on
+would take the captured steps' forms and leave the eager kernels (not the forms meant for
+them, though a probe measured no cost from it). The graph runner marks the thread it compiles on
 (`compiling_here`), and `compiling()` is True only there; a compile nobody marked (a test's
 `torch.compile`, a user's) is taken as the calling thread's.
 """

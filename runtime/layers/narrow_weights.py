@@ -71,7 +71,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from runtime.core.capture import compiling, in_capture
+from runtime.core.capture import in_capture
 from runtime.kernels import cpu_extension, tile_product
 from runtime.kernels.grouped_gemm import grouped_gemm_op
 from runtime.kernels.narrow_product import narrow_product
@@ -216,7 +216,7 @@ def _tiles_for(module: nn.Module, name: str, x: torch.Tensor, rows: int):
     tiles = getattr(module, name + TILE_SUFFIX, None)
     if tiles is None or rows < TILE_MIN_ROWS or x.dtype != torch.float32:
         return None
-    if torch.is_grad_enabled() or (compiling() and not in_capture()):
+    if torch.is_grad_enabled():
         return None
     return tiles if tile_product.ready() else None
 
