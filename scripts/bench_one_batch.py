@@ -50,7 +50,7 @@ from scripts.bench.variants import (
     set_threads,
     spec_counters,
 )
-from scripts.bench.warmup import compile_captured_buckets
+from scripts.bench.warmup import compile_captured_buckets, compiled_since, step_states
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -143,7 +143,14 @@ def measure_setting(engine, variant: Variant, args, setting: tuple[int, int, int
     )
     before, retractions = spec_counters(engine), engine.scheduler.num_retractions
     engine.flush_cache()
+    steps_before = step_states(engine)
     reqs, prefill, times, tokens = run_batch(engine, prompts, output_len)
+    compiled = compiled_since(engine, steps_before)
+    if compiled:
+        print(
+            f"warning: captured steps compiled during this timed run: {', '.join(compiled)}",
+            file=sys.stderr,
+        )
     accept = accept_length_between(before, spec_counters(engine))
     if args.prefill_repeats > 1:
         repeats = [time_prefill(engine, prompts) for _ in range(args.prefill_repeats - 1)]
@@ -177,6 +184,7 @@ def measure_setting(engine, variant: Variant, args, setting: tuple[int, int, int
         accept_length=accept,
     )
     row["output_ids"] = [list(r.output_ids) for r in reqs]
+    row["compiled_during_run"] = compiled
     print_one_batch_row(row, times, tokens)
     return row
 

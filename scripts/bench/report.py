@@ -174,6 +174,13 @@ def print_one_batch_row(row: dict, times: list[float], tokens: list[int]) -> Non
         f"Decode.  median latency: {row['median_decode_latency']:6.5f} s, "
         f"median throughput: {row['median_decode_throughput']:9.2f} token/s"
     )
+    if times:
+        # one step far above the median (a compile, a stall) shows here, not in the median
+        slowest = max(range(len(times)), key=times.__getitem__)
+        print(
+            f"Decode.  slowest step: {times[slowest]:6.5f} s (step {slowest} of {len(times)}, "
+            f"{tokens[slowest]} tokens)"
+        )
     accept = row["accept_length"]
     print(
         f"Decode.  per output token: {row['decode_latency_per_token'] * 1000:8.3f} ms, "

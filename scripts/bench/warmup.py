@@ -14,7 +14,14 @@ from runtime.engine.capture_warmup import (
 )
 from runtime.engine.speculation_calibration import calibrate_speculation
 
-__all__ = ["captured_buckets", "captured_runners", "compile_captured_buckets", "report_compiles"]
+__all__ = [
+    "captured_buckets",
+    "captured_runners",
+    "compile_captured_buckets",
+    "compiled_since",
+    "report_compiles",
+    "step_states",
+]
 
 
 def compile_captured_buckets(engine, max_batch: int) -> None:
@@ -44,3 +51,22 @@ def report_compiles(engine) -> None:
             if state == "pending":  # seen in the warm-up, but no batch of the run meets it
                 continue
             print(f"captured step {step}: {state}, compiled in {seconds:.1f} s")
+
+
+def step_states(engine) -> dict[str, str]:
+    """Every captured step seen so far and its state (pending, compiling, ready, failed)."""
+    return {
+        f"{i}:{step}": state
+        for i, runner in enumerate(captured_runners(engine))
+        for step, state, _ in runner.graph_runner.compiled_steps()
+    }
+
+
+def compiled_since(engine, before: dict[str, str]) -> list[str]:
+    """The captured steps that became ready, failed or started compiling since `before`
+    (`step_states`): a timed run that lists any met a compile, or a step the warm-up missed."""
+    return sorted(
+        f"{name.split(':', 1)[1]} ({state})"
+        for name, state in step_states(engine).items()
+        if state != "pending" and before.get(name) != state
+    )

@@ -121,9 +121,11 @@ def test_one_batch_compare_profile_plot(ckpt, tmp_path, capsys):
             assert 1.0 <= r["accept_length"] <= 4.0
     # same prompts, same greedy tokens: both variants did the same work
     assert rows[("plain", 2)]["output_ids"] == rows[("NEXTN(steps=3)", 2)]["output_ids"]
+    assert all(r["compiled_during_run"] == [] for r in rows.values())  # eager engines
     for line in (
         "Prefill. latency:",
         "Decode 0. Batch size: 2",
+        "Decode.  slowest step:",
         "Decode.  median latency:",
         "Total. latency:",
         "One Batch Benchmark Result",
