@@ -20,11 +20,11 @@ What an artifact holds and what it does not:
   would have checked at load time, the file name checks instead: `fingerprint` hashes
   everything the trace could have baked in (torch and Python versions, the CPU's vector ISA,
   dynamo's and inductor's settings, the runtime's source files and the module constants of
-  its model code, whether the C++ CPU kernels are loaded (and may use AMX tiles), the
-  compile options, the model's structure and configuration, the pools' layout, the shapes
-  of the step's arguments). Anything it covers that differs loads nothing and compiles
-  afresh; a loaded step is also checked against the eager step on the padding batch
-  before it is used (`outputs_match`).
+  its model code, whether the C++ CPU kernels are loaded (and may use AMX tiles, or oneDNN
+  for fp32 products of many rows), the compile options, the model's structure and
+  configuration, the pools' layout, the shapes of the step's arguments). Anything it
+  covers that differs loads nothing and compiles afresh; a loaded step is also checked
+  against the eager step on the padding batch before it is used (`outputs_match`).
 
 The store keeps itself under `STORE_MAX_BYTES` (`StepStore.prune`, at start-up): an upgrade
 changes every fingerprint, so the previous version's artifacts would otherwise stay forever.
@@ -47,7 +47,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from runtime.kernels import cpu_extension, tile_product
+from runtime.kernels import cpu_extension, dense_product, tile_product
 
 logger = logging.getLogger(__name__)
 
@@ -168,6 +168,7 @@ def fingerprint(fn: Callable, args: tuple, options: dict, label: str) -> str:
         traced_constants(),
         cpu_extension.available(),
         tile_product.ready(),
+        dense_product.enabled(),
         label,
         fn.__code__.co_name,
         describe({k: v for k, v in options.items() if not callable(v)}),

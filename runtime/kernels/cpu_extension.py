@@ -8,6 +8,8 @@ torch ops the same way):
 
 * `narrow_product`: products of a few fp32 rows with bf16 weights
   (`runtime.kernels.narrow_product`);
+* `dense_product`: fp32 products of many rows through oneDNN's GEMM
+  (`runtime.kernels.dense_product`);
 * `indexer_topk`: the indexer's top-k with transformers' ties
   (`runtime.kernels.indexer_topk`), the same ATen calls as its Python body;
 * `hc_post` and `sinkhorn`: mHC's stream expansion and Sinkhorn normalisation at eager
@@ -33,6 +35,7 @@ from pathlib import Path
 import torch
 
 from runtime.core.capture import compiling
+from runtime.kernels import dense_product
 
 logger = logging.getLogger(__name__)
 
@@ -92,10 +95,12 @@ def load(cache_dir: Path | str | None = None) -> bool:
             return False
         _state["available"] = True
         _state["tiles"] = bool(torch.ops.nextn_cpu.tile_ready())
+        dense_product.choose()  # before any step is traced: the choice shapes the graphs
         logger.info(
-            "C++ CPU kernels ready in %.1f s (AMX tile products: %s)",
+            "C++ CPU kernels ready in %.1f s (AMX tile products: %s, oneDNN products: %s)",
             time.perf_counter() - start,
             "yes" if _state["tiles"] else "no",
+            "yes" if dense_product.enabled() else "no",
         )
         return True
 
@@ -131,6 +136,7 @@ def _build(cache_dir: Path | str | None) -> None:
     torch.library.register_fake("nextn_cpu::swiglu")(_swiglu_fake)
     torch.library.register_fake("nextn_cpu::tile_product")(_tile_product_fake)
     torch.library.register_fake("nextn_cpu::merge_row_keys")(_merge_row_keys_fake)
+    torch.library.register_fake("nextn_cpu::dense_product")(_dense_product_fake)
 
 
 def wait_for_build_lock(
@@ -177,6 +183,10 @@ def _swiglu_fake(gate, up, limit):
 
 def _sinkhorn_fake(logits, iters, eps):
     return torch.empty_like(logits)
+
+
+def _dense_product_fake(x, weight, bias=None):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
 def _tile_product_fake(x, packed, n, group_ends=None):

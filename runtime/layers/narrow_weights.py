@@ -72,7 +72,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from runtime.core.capture import in_capture
-from runtime.kernels import cpu_extension, tile_product
+from runtime.kernels import cpu_extension, dense_product, tile_product
 from runtime.kernels.grouped_gemm import grouped_gemm_op
 from runtime.kernels.narrow_product import narrow_product
 
@@ -174,7 +174,9 @@ def linear_product(
     x: torch.Tensor, module: nn.Module, name: str = "weight", bias: torch.Tensor | None = None
 ) -> torch.Tensor:
     """`F.linear(x, module.<name>, bias)`, reading what `product_weight` picks for the
-    number of rows of `x`."""
+    number of rows of `x`; a product of many rows on AMX tiles where the module keeps its
+    weight packed for them, else through oneDNN where this process chose it
+    (`dense_product`)."""
     rows = math.prod(x.shape[:-1])
     tiles = _tiles_for(module, name, x, rows)
     if tiles is not None:
@@ -182,6 +184,9 @@ def linear_product(
         y = tile_product.tile_product(x.reshape(rows, x.shape[-1]), tiles, n)
         y = y.reshape(*x.shape[:-1], n)
         return y if bias is None else y + bias
+    wide = getattr(module, name)
+    if dense_product.serves(x, wide):
+        return dense_product.dense_product(x, wide, bias)
     weight, path = product_weight(module, name, rows)
     if path is ProductPath.GEMM:
         return F.linear(x, weight.to(x.dtype), bias)

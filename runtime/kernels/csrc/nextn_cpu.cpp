@@ -21,11 +21,17 @@
 // tiles, each row split into three bf16 parts so that every product is exact
 // (runtime/kernels/tile_product.py).
 //
+// nextn_cpu::dense_product: fp32 rows times an fp32 weight through oneDNN's GEMM (ATen's
+// mkldnn::_linear_pointwise reached through the dispatcher), where it beats the default
+// BLAS (runtime/kernels/dense_product.py).
+//
 // nextn_cpu::merge_row_keys: a prefill row's own selected keys (DeepSeek-V4 CSA) merged
 // into its attention over its tile's keys, the keys read straight from the cache
 // (runtime/kernels/sink_attention.py).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -923,6 +929,28 @@ at::Tensor tile_product(const at::Tensor& x, const at::Tensor& packed, int64_t n
   return out;
 }
 
+// x [..., K] fp32 times weight [N, K]^T (+ bias [N]) -> [..., N]. ATen's oneDNN linear
+// (what inductor calls for a frozen weight) takes a plain weight too; it is registered in
+// libtorch under the `mkldnn` namespace, so it is called boxed through the dispatcher.
+at::Tensor dense_product(const at::Tensor& x, const at::Tensor& weight,
+                         const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat,
+              "dense_product: fp32 rows and weight");
+  TORCH_CHECK(weight.dim() == 2 && x.size(-1) == weight.size(1), "dense_product: shapes");
+  static const c10::OperatorHandle op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  torch::jit::Stack stack;
+  stack.reserve(6);
+  stack.emplace_back(x.contiguous());
+  stack.emplace_back(weight.contiguous());
+  stack.emplace_back(bias.has_value() ? c10::IValue(bias->contiguous()) : c10::IValue());
+  stack.emplace_back(std::string("none"));
+  stack.emplace_back(c10::List<std::optional<at::Scalar>>());
+  stack.emplace_back(c10::IValue());
+  op.callBoxed(&stack);
+  return stack[0].toTensor();
+}
+
 }  // namespace
 
 TORCH_LIBRARY(nextn_cpu, m) {
@@ -933,6 +961,7 @@ TORCH_LIBRARY(nextn_cpu, m) {
   m.def("rms_norm(Tensor x, Tensor? weight, float eps) -> Tensor");
   m.def("swiglu(Tensor gate, Tensor up, float? limit) -> Tensor");
   m.def("tile_ready() -> bool");
+  m.def("dense_product(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
   m.def("tile_product(Tensor x, Tensor packed, int n, Tensor? group_ends=None) -> Tensor");
   m.def(
       "merge_row_keys(Tensor tile_out, Tensor tile_lse, Tensor q, Tensor source, Tensor index, "
@@ -947,6 +976,7 @@ TORCH_LIBRARY_IMPL(nextn_cpu, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("swiglu", &swiglu);
   m.impl("tile_product", &tile_product);
+  m.impl("dense_product", &dense_product);
   m.impl("merge_row_keys", &merge_row_keys);
 }
 
