@@ -331,11 +331,18 @@ class NextNWorker:
         owes a window of rows per request, and one pass over all of them (8,000 rows at 64
         requests of the default model) needs several times the transient memory of any
         prefill chunk, which a process then allocates afresh. Drafts per request, in
-        order (None where `propose` is False)."""
+        order (None where `propose` is False). A pass takes a captured step that is ready
+        or runs eagerly, and queues no compile: its rows per request are the plain steps
+        it missed, a count no warm-up meets, each a step of its own (compiled inline, one
+        held a benchmark's timed batch for 30 s), and such passes are rare."""
         drafts: list[list[int] | None] = []
-        for group in pass_groups([len(k) for k in kept], self.max_pass_rows):
-            batch = catch_up_draft_batch([kept[i] for i in group], [propose[i] for i in group])
-            drafts += self.drafter.draft(batch)
+        runners = (self.target, self.drafter.runner)
+        graph_runners = [r.graph_runner for r in runners if r.graph_runner is not None]
+        with no_new_compiles(graph_runners):
+            for group in pass_groups([len(k) for k in kept], self.max_pass_rows):
+                kept_group = [kept[i] for i in group]
+                batch = catch_up_draft_batch(kept_group, [propose[i] for i in group])
+                drafts += self.drafter.draft(batch)
         return drafts
 
     def _prefill(self, chunks: Sequence[Chunk], decoding: Sequence[Req]) -> list[TokenOutput]:

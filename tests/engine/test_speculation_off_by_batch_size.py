@@ -13,6 +13,8 @@ from __future__ import annotations
 import pytest
 
 from runtime import Engine
+from runtime.configs.capture import DISABLE_ENV
+from runtime.execution.graph_runner import StepState
 from runtime.speculative.speculation_policy import FixedLimit, MeasuredSpeculation
 from tests.engine.test_nextn import make_prompts
 
@@ -82,6 +84,42 @@ def test_greedy_output_is_plain_decoding_across_the_switch(checkpoint, greedy_re
         assert stats.verify_rounds > 0  # and speculated once the batch was small
         assert all(o["meta_info"]["spec_verify_ct"] >= 0 for o in outs)
     assert not engine.worker.undrafted  # rows of finished requests are dropped
+
+
+def test_a_draft_pass_over_skipped_rows_queues_no_compile(checkpoint, monkeypatch):
+    """A catch-up is a draft extend over as many rows per request as the plain steps it
+    missed, so each count of rows is a captured step of its own that no warm-up meets;
+    compiled on first use, one such step stopped a benchmark's timed batch for 30 s.
+    These passes take a step that is ready or run eagerly, and queue no compile. Here a
+    request speculates alone, decodes plainly beside a second one (limit 2), then
+    speculates alone again after catching up. (Compiles are stubbed: what gets queued is
+    what is checked.)"""
+    prompts = make_prompts(2, seed=3)
+    params = [{"temperature": 0.0, "max_new_tokens": n, "ignore_eos": True} for n in (30, 5)]
+    plain = engine_of(checkpoint).generate(input_ids=prompts, sampling_params=params)
+    monkeypatch.delenv(DISABLE_ENV, raising=False)
+    engine = nextn_of(checkpoint, limit=2, cuda_graph_bs=[1, 2], capture_compile="inline")
+    queued = []
+    for runner in (engine.runner, engine.worker.drafter.runner):
+
+        def schedule(step):  # as a compile that never ends: every step runs eagerly
+            queued.append(step.key.describe())
+            step.state = StepState.COMPILING
+
+        monkeypatch.setattr(runner.graph_runner, "_schedule", schedule)
+    proposals = record_proposals(engine)
+    reqs = [engine.make_request(ids, p) for ids, p in zip(prompts, params, strict=True)]
+    engine.add_request(reqs[0])
+    for _ in range(3):  # prefill, then rounds alone
+        engine.step()
+    rounds_alone = engine.worker.stats.verify_rounds
+    engine.add_request(reqs[1])
+    while engine.has_work():
+        engine.step()
+    assert [list(r.output_ids) for r in reqs] == [o["output_ids"] for o in plain]
+    assert rounds_alone > 0 and engine.worker.stats.verify_rounds > rounds_alone
+    assert any(not latest for _, latest in proposals.values())  # the first one caught up
+    assert queued and not [name for name in queued if name.startswith("draft")], queued
 
 
 @pytest.mark.parametrize("chunk", [None, 7])
