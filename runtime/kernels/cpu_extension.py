@@ -8,8 +8,8 @@ torch ops the same way):
 
 * `narrow_product`: products of a few fp32 rows with bf16 weights
   (`runtime.kernels.narrow_product`);
-* `dense_product`: fp32 products of many rows through oneDNN's GEMM
-  (`runtime.kernels.dense_product`);
+* `dense_product`, `dense_grouped_product`: fp32 products of many rows through oneDNN's
+  GEMM, the second one per group of sorted rows (`runtime.kernels.dense_product`);
 * `indexer_topk`: the indexer's top-k with transformers' ties
   (`runtime.kernels.indexer_topk`), the same ATen calls as its Python body;
 * `hc_post` and `sinkhorn`: mHC's stream expansion and Sinkhorn normalisation at eager
@@ -137,6 +137,7 @@ def _build(cache_dir: Path | str | None) -> None:
     torch.library.register_fake("nextn_cpu::tile_product")(_tile_product_fake)
     torch.library.register_fake("nextn_cpu::merge_row_keys")(_merge_row_keys_fake)
     torch.library.register_fake("nextn_cpu::dense_product")(_dense_product_fake)
+    torch.library.register_fake("nextn_cpu::dense_grouped_product")(_dense_grouped_product_fake)
 
 
 def wait_for_build_lock(
@@ -187,6 +188,10 @@ def _sinkhorn_fake(logits, iters, eps):
 
 def _dense_product_fake(x, weight, bias=None):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+def _dense_grouped_product_fake(x, weight, group_ends):
+    return x.new_empty((x.shape[0], weight.shape[1]))
 
 
 def _tile_product_fake(x, packed, n, group_ends=None):

@@ -201,12 +201,16 @@ def grouped_product(
 ) -> torch.Tensor:
     """`x [A, K]`, rows sorted by group, times the module's `<name> [G, N, K]`: rows
     `group_ends[g-1]:group_ends[g]` times `<name>[g]` (`grouped_gemm_op`), on AMX tiles
-    for a product of enough rows where the module keeps the weights packed."""
+    for a product of enough rows where the module keeps the weights packed, else group by
+    group through oneDNN where this process chose it (`dense_product`)."""
     tiles = _tiles_for(module, name, x, x.shape[0])
     if tiles is not None:
         n = getattr(module, name).shape[1]
         return tile_product.tile_product(x, tiles, n, group_ends)
-    return grouped_gemm_op(x, getattr(module, name), group_ends)
+    weight = getattr(module, name)
+    if dense_product.serves_grouped(x, weight):
+        return dense_product.dense_grouped_product(x, weight, group_ends)
+    return grouped_gemm_op(x, weight, group_ends)
 
 
 def has_tiles(module: nn.Module, name: str) -> bool:

@@ -15,6 +15,7 @@ from torch import nn
 from runtime.configs.capture import default_cache_dir
 from runtime.kernels import cpu_extension
 from runtime.kernels import dense_product as dense
+from runtime.kernels.grouped_gemm import grouped_gemm_reference
 from runtime.layers import narrow_weights
 
 
@@ -160,3 +161,45 @@ def test_linear_products_of_many_rows_go_through_onednn_once_chosen(
     calls.clear()
     narrow_weights.linear_product(x, module, "weight", bias)
     assert calls == []
+
+
+@pytest.mark.parametrize("counts", [[5, 0, 37, 1, 0, 300, 2, 40], [0, 0, 64], [256]])
+@pytest.mark.parametrize("tail", [0, 7])
+def test_grouped_products_equal_the_reference_group_by_group(counts, tail):
+    """Rows sorted by group, empty groups, and rows past the last group (zeros)."""
+    g = torch.Generator().manual_seed(len(counts) + tail)
+    rows = sum(counts) + tail
+    x = torch.randn(rows, 96, generator=g)
+    weight = torch.randn(len(counts), 160, 96, generator=g) / 96**0.5
+    ends = torch.tensor(counts).cumsum(0).to(torch.int32)
+    with torch.inference_mode():
+        got = dense.dense_grouped_product(x, weight, ends)
+    expected = grouped_gemm_reference(x, weight, ends)
+    expected[sum(counts) :] = 0
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-4)
+
+
+class Experts(nn.Module):
+    def __init__(self, groups, k, n):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(groups, n, k) / k**0.5, requires_grad=False)
+
+
+@pytest.mark.parametrize("rows", [dense.DENSE_MIN_GROUPED_ROWS - 1, dense.DENSE_MIN_GROUPED_ROWS])
+def test_grouped_products_of_many_rows_go_through_onednn_once_chosen(monkeypatch, choice, rows):
+    module = Experts(8, 128, 256)
+    x = torch.randn(rows, 128)
+    ends = torch.linspace(0, rows, 9)[1:].round().to(torch.int32)
+    calls = []
+    real = dense.dense_grouped_product
+    monkeypatch.setattr(dense, "dense_grouped_product", lambda *a: calls.append(a) or real(*a))
+    with torch.inference_mode():
+        choice(False)
+        default = narrow_weights.grouped_product(x, module, "w", ends)
+        choice(True)
+        chosen = narrow_weights.grouped_product(x, module, "w", ends)
+    assert len(calls) == (rows >= dense.DENSE_MIN_GROUPED_ROWS)
+    torch.testing.assert_close(chosen, default, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(
+        default, grouped_gemm_reference(x, module.w, ends), rtol=1e-5, atol=1e-4
+    )

@@ -951,6 +951,31 @@ at::Tensor dense_product(const at::Tensor& x, const at::Tensor& weight,
   return stack[0].toTensor();
 }
 
+// x [A, K] fp32, rows sorted by group, times weight [G, N, K]: rows
+// group_ends[g-1]:group_ends[g] times weight[g] (dense_product per group), rows past the
+// last group zero -> [A, N]. The groups' bounds are read on the host (CPU tensors).
+at::Tensor dense_grouped_product(const at::Tensor& x, const at::Tensor& weight,
+                                 const at::Tensor& group_ends) {
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 3 && x.size(1) == weight.size(2),
+              "dense_grouped_product: shapes");
+  TORCH_CHECK(group_ends.numel() == weight.size(0), "dense_grouped_product: one end per group");
+  const int64_t rows = x.size(0);
+  at::Tensor out = at::empty({rows, weight.size(1)}, x.options());
+  const at::Tensor ends = group_ends.to(at::kLong).contiguous();
+  const int64_t* end_of = ends.data_ptr<int64_t>();
+  int64_t start = 0;
+  for (int64_t g = 0; g < weight.size(0); ++g) {
+    const int64_t end = std::min(std::max(end_of[g], start), rows);
+    if (end > start) {
+      out.narrow(0, start, end - start)
+          .copy_(dense_product(x.narrow(0, start, end - start), weight.select(0, g), std::nullopt));
+    }
+    start = end;
+  }
+  if (start < rows) out.narrow(0, start, rows - start).zero_();
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(nextn_cpu, m) {
@@ -962,6 +987,7 @@ TORCH_LIBRARY(nextn_cpu, m) {
   m.def("swiglu(Tensor gate, Tensor up, float? limit) -> Tensor");
   m.def("tile_ready() -> bool");
   m.def("dense_product(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
+  m.def("dense_grouped_product(Tensor x, Tensor weight, Tensor group_ends) -> Tensor");
   m.def("tile_product(Tensor x, Tensor packed, int n, Tensor? group_ends=None) -> Tensor");
   m.def(
       "merge_row_keys(Tensor tile_out, Tensor tile_lse, Tensor q, Tensor source, Tensor index, "
@@ -977,6 +1003,7 @@ TORCH_LIBRARY_IMPL(nextn_cpu, CPU, m) {
   m.impl("swiglu", &swiglu);
   m.impl("tile_product", &tile_product);
   m.impl("dense_product", &dense_product);
+  m.impl("dense_grouped_product", &dense_grouped_product);
   m.impl("merge_row_keys", &merge_row_keys);
 }
 
