@@ -203,3 +203,26 @@ def test_grouped_products_of_many_rows_go_through_onednn_once_chosen(monkeypatch
     torch.testing.assert_close(
         default, grouped_gemm_reference(x, module.w, ends), rtol=1e-5, atol=1e-4
     )
+
+
+def test_the_grouped_product_is_one_node_of_a_compiled_graph():
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(300, 64, generator=g)
+    weight = torch.randn(4, 48, 64, generator=g)
+    experts = torch.randint(0, 4, (300,), generator=g).sort().values  # rows sorted by expert
+
+    def step(x, weight, experts):
+        # fixed shapes, as a captured step computes them: rows routed to experts <= g
+        ends = (experts.unsqueeze(0) <= torch.arange(4).unsqueeze(1)).sum(1).to(torch.int32)
+        return dense.dense_grouped_product(x * 2.0, weight, ends).sum(-1)
+
+    explained = torch._dynamo.explain(step)(x, weight, experts)
+    assert explained.graph_count == 1 and explained.graph_break_count == 0
+    torch._dynamo.reset()
+    compiled = torch.compile(step, dynamic=False, fullgraph=True)
+    ends = torch.bincount(experts, minlength=4).cumsum(0)
+    expected = grouped_gemm_reference(x * 2.0, weight, ends).sum(-1)
+    with torch.inference_mode():
+        got = compiled(x, weight, experts)  # its sum over the outputs in the compiler's order
+        torch.testing.assert_close(got, step(x, weight, experts), rtol=1e-5, atol=1e-3)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-3)
