@@ -121,6 +121,23 @@ def test_the_probe_compares_both_libraries_on_the_same_products(monkeypatch, cho
     assert dense._speed_up(64, 64, 64) > 0
 
 
+def count_calls(monkeypatch, name: str) -> list:
+    """The calls to `dense.<name>` from now on (each still runs)."""
+    calls, real = [], getattr(dense, name)
+    monkeypatch.setattr(dense, name, lambda *a: calls.append(a) or real(*a))
+    return calls
+
+
+def both_choices(choice, calls: list, product):
+    """`product()` without oneDNN chosen (which must not call it), then with it chosen."""
+    with torch.inference_mode():
+        choice(False)
+        default = product()
+        assert calls == []
+        choice(True)
+        return default, product()
+
+
 class Projection(nn.Module):
     narrow_weight_names = tile_weight_names = ("weight",)
 
@@ -144,15 +161,10 @@ def test_linear_products_of_many_rows_go_through_onednn_once_chosen(
     module = Projection(256, outputs)
     x = torch.randn(rows, 256)
     bias = torch.randn(outputs)
-    calls = []
-    real = dense.dense_product
-    monkeypatch.setattr(dense, "dense_product", lambda *a: calls.append(a) or real(*a))
-    with torch.inference_mode():
-        choice(False)
-        default = narrow_weights.linear_product(x, module, "weight", bias)
-        assert calls == []
-        choice(True)
-        chosen = narrow_weights.linear_product(x, module, "weight", bias)
+    calls = count_calls(monkeypatch, "dense_product")
+    default, chosen = both_choices(
+        choice, calls, lambda: narrow_weights.linear_product(x, module, "weight", bias)
+    )
     wanted = rows >= dense.DENSE_MIN_ROWS and rows * outputs >= dense.DENSE_MIN_OUTPUTS
     assert len(calls) == wanted
     torch.testing.assert_close(chosen, default, rtol=1e-5, atol=1e-4)
@@ -190,14 +202,10 @@ def test_grouped_products_of_many_rows_go_through_onednn_once_chosen(monkeypatch
     module = Experts(8, 128, 256)
     x = torch.randn(rows, 128)
     ends = torch.linspace(0, rows, 9)[1:].round().to(torch.int32)
-    calls = []
-    real = dense.dense_grouped_product
-    monkeypatch.setattr(dense, "dense_grouped_product", lambda *a: calls.append(a) or real(*a))
-    with torch.inference_mode():
-        choice(False)
-        default = narrow_weights.grouped_product(x, module, "w", ends)
-        choice(True)
-        chosen = narrow_weights.grouped_product(x, module, "w", ends)
+    calls = count_calls(monkeypatch, "dense_grouped_product")
+    default, chosen = both_choices(
+        choice, calls, lambda: narrow_weights.grouped_product(x, module, "w", ends)
+    )
     assert len(calls) == (rows >= dense.DENSE_MIN_GROUPED_ROWS)
     torch.testing.assert_close(chosen, default, rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(
