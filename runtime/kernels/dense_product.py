@@ -88,28 +88,25 @@ def serves(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether the product of `x` and `weight` should go through `dense_product`: oneDNN
     was chosen, both are fp32 on CPU, the product is large enough (`DENSE_MIN_ROWS`,
     `DENSE_MIN_OUTPUTS`) and no grad is wanted (the operator has no backward)."""
-    if not _state["enabled"]:
+    if not _takes(x, weight):
         return False
     rows = math.prod(x.shape[:-1])
-    return (
-        x.dtype == torch.float32
-        and weight.dtype == torch.float32
-        and x.device.type == "cpu"
-        and rows >= DENSE_MIN_ROWS
-        and rows * weight.shape[0] >= DENSE_MIN_OUTPUTS
-        and not torch.is_grad_enabled()
-    )
+    return rows >= DENSE_MIN_ROWS and rows * weight.shape[0] >= DENSE_MIN_OUTPUTS
 
 
 def serves_grouped(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether a grouped product of `x` with `weight [G, N, K]` should go through
     `dense_grouped_product` (as `serves`, with at least `DENSE_MIN_GROUPED_ROWS` rows)."""
+    return _takes(x, weight) and x.shape[0] >= DENSE_MIN_GROUPED_ROWS
+
+
+def _takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """oneDNN was chosen, `x` and `weight` are fp32 on CPU and no grad is wanted."""
     return (
         bool(_state["enabled"])
         and x.dtype == torch.float32
         and weight.dtype == torch.float32
         and x.device.type == "cpu"
-        and x.shape[0] >= DENSE_MIN_GROUPED_ROWS
         and not torch.is_grad_enabled()
     )
 

@@ -53,20 +53,21 @@ def report_compiles(engine) -> None:
             print(f"captured step {step}: {state}, compiled in {seconds:.1f} s")
 
 
-def step_states(engine) -> dict[str, str]:
-    """Every captured step seen so far and its state (pending, compiling, ready, failed)."""
+def step_states(engine) -> dict[tuple[int, str], str]:
+    """Every captured step seen so far, by (runner, step), and its state (pending,
+    compiling, ready, failed)."""
     return {
-        f"{i}:{step}": state
+        (i, step): state
         for i, runner in enumerate(captured_runners(engine))
         for step, state, _ in runner.graph_runner.compiled_steps()
     }
 
 
-def compiled_since(engine, before: dict[str, str]) -> list[str]:
+def compiled_since(engine, before: dict[tuple[int, str], str]) -> list[str]:
     """The captured steps that became ready, failed or started compiling since `before`
     (`step_states`): a timed run that lists any met a compile, or a step the warm-up missed."""
     return sorted(
-        f"{name.split(':', 1)[1]} ({state})"
-        for name, state in step_states(engine).items()
-        if state != "pending" and before.get(name) != state
+        f"{key[1]} ({state})"
+        for key, state in step_states(engine).items()
+        if state != "pending" and before.get(key) != state
     )
