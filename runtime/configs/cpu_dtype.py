@@ -6,6 +6,17 @@ or AVX512-BF16) and a short probe confirms it: a batch-1 and a prefill-sized pro
 checkpoint's dtype against float32. Elsewhere bf16 matmuls go through conversions and run
 several times slower than float32 (the README measures 3.6x on prefill on an AVX2 CPU), so
 float32 it is. Decided once per process and logged with the reason.
+
+The batch-1 product must win by more than its halved bytes (`DECODE_BYTES_RATIO`). A
+float32 engine serving a bf16 checkpoint does not read fp32 weights in its captured decode
+steps: their few-row products read bf16 copies of the weights and widen them in registers
+(`runtime.layers.narrow_weights`), so they move the bytes a bf16 product moves. A probe that
+timed a bf16 product against a plain fp32 one would credit bf16 with a saving the float32
+engine already has. On a 2-core AMD EPYC with AVX512-BF16 (no AMX) the old probe picked
+bf16 (its batch-1 product about level with fp32's, its 256-row one 4.4x faster), and the
+default model then decoded a batch of one at 3.16 ms a step in bf16 against 1.83 in fp32,
+a batch of 16 at 7.54 against 7.68, and prefilled 16 x 128 tokens in 261 against 296 ms
+(`scripts/bench_one_batch`, captured steps, one thread).
 """
 
 from __future__ import annotations
@@ -20,6 +31,9 @@ logger = logging.getLogger(__name__)
 
 PROBE_SHAPES = ((1, 1024, 1024), (256, 1024, 1024))  # a decode row and a prefill chunk
 PROBE_REPEATS = 5
+# float32's decode products read bf16 copies of a bf16 checkpoint's weights: half the bytes
+# of the plain fp32 product the probe times, which a bf16 product must beat by more
+DECODE_BYTES_RATIO = 2.0
 
 
 def native_half_matmul(dtype: torch.dtype) -> bool:
@@ -44,6 +58,13 @@ def _seconds(dtype: torch.dtype, rows: int, inner: int, outer: int) -> float:
     return best
 
 
+def _bytes_ratio(dtype: torch.dtype, rows: int) -> float:
+    """How much faster than the plain fp32 product a `dtype` product of `rows` rows must be
+    to beat what a float32 engine runs (the narrow copies are bf16: only bf16 checkpoints
+    get them, and only products of decode rows read them)."""
+    return DECODE_BYTES_RATIO if dtype == torch.bfloat16 and rows == 1 else 1.0
+
+
 @functools.cache
 def fastest_cpu_dtype(checkpoint_dtype: torch.dtype) -> tuple[torch.dtype, str]:
     """(dtype to run in, why) for a checkpoint stored in `checkpoint_dtype`."""
@@ -56,10 +77,13 @@ def fastest_cpu_dtype(checkpoint_dtype: torch.dtype) -> tuple[torch.dtype, str]:
     slower = [
         shape
         for shape in PROBE_SHAPES
-        if _seconds(checkpoint_dtype, *shape) >= _seconds(torch.float32, *shape)
+        if _seconds(checkpoint_dtype, *shape) * _bytes_ratio(checkpoint_dtype, shape[0])
+        >= _seconds(torch.float32, *shape)
     ]
     if slower:
         rows = ", ".join(f"{m}x{k}x{n}" for m, k, n in slower)
+        if any(_bytes_ratio(checkpoint_dtype, m) > 1 for m, _, _ in slower):
+            rows += f"; float32's decode rows read {name} copies of the weights"
         return torch.float32, f"a probe ran {name} no faster than float32 on this CPU ({rows})"
     return checkpoint_dtype, f"this CPU ({capability}) multiplies {name} natively and faster"
 
