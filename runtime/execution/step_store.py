@@ -40,6 +40,7 @@ import logging
 import os
 import platform
 import sys
+import threading
 import types
 from collections.abc import Callable
 from pathlib import Path
@@ -113,8 +114,25 @@ def source_digest() -> str:
     return digest.hexdigest()
 
 
-@functools.lru_cache(maxsize=1)
+_vec_isa_lock = threading.Lock()
+
+
 def platform_description() -> str:
+    """torch, Python, machine and the compiler's vector ISA, probed by one thread at a time.
+
+    Inductor's AVX-512 probe (`VecAVX512.__bool__` in torch 2.13) appends `-mavx512bf16` to
+    the ISA's shared flags while it test-builds, then restores them; two threads probing at
+    once (the target's and the draft's compile workers both start by preparing the store)
+    can leave the flag there for good. Those flags are part of the hash a C++ wrapper is
+    cached under, so a process that compiled steps with the flag and a later one that loads
+    them without it looked for different wrappers and rebuilt each (minutes per step on a
+    2-core AVX512-BF16 machine, which is what a warm start of a server paid)."""
+    with _vec_isa_lock:
+        return _platform_description()
+
+
+@functools.lru_cache(maxsize=1)
+def _platform_description() -> str:
     from torch._inductor import cpu_vec_isa
 
     return "|".join(

@@ -263,3 +263,45 @@ def test_a_background_graph_runner_prepares_the_store_before_any_step(
     assert graph_runner._worker._thread.name == "capture"
     inline = GraphRunner(runner, CaptureConfig(batch_sizes=(1,), background=False), 1)
     assert inline._worker is None  # nothing runs beside an inline runner
+
+
+def test_the_vector_isa_is_probed_by_one_thread_at_a_time(monkeypatch):
+    """Inductor's AVX-512 probe adds a flag to the ISA's shared flags while it test-builds
+    and then restores them; two probes at once (the target's and the draft's compile
+    workers) could leave the flag for good, and a process that compiled steps with other
+    flags than the one loading them rebuilt every C++ wrapper. Here a probe of the same
+    shape, started by two threads together, must leave the flags as they were and give
+    both threads the same description."""
+    isa = SimpleNamespace(flags="-mavx512f", probed=False)
+    both_started = threading.Barrier(2)
+
+    def pick_vec_isa():
+        if not isa.probed:  # inductor caches the probe per ISA object, without a lock
+            base = isa.flags
+            isa.flags += " -mavx512bf16"
+            threading.Event().wait(0.05)  # the test build
+            isa.flags = base
+            isa.probed = True
+        return isa.flags
+
+    import torch._inductor.cpu_vec_isa as cpu_vec_isa
+
+    monkeypatch.setattr(cpu_vec_isa, "pick_vec_isa", pick_vec_isa)
+    step_store._platform_description.cache_clear()
+    described = []
+
+    def describe():
+        both_started.wait()
+        described.append(step_store.platform_description())
+
+    threads = [threading.Thread(target=describe) for _ in range(2)]
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        step_store._platform_description.cache_clear()
+    assert isa.flags == "-mavx512f"
+    assert len(described) == 2 and described[0] == described[1]
+    assert described[0].endswith("|-mavx512f")
