@@ -233,8 +233,12 @@ class NextNWorker:
 
     def _unsettled_runs(self) -> int:
         """Steps so far that met a bucket still compiling (`GraphRunner.unsettled_runs`)."""
+        return sum(g.unsettled_runs for g in self._graph_runners())
+
+    def _graph_runners(self) -> list:
+        """The target's and the draft's graph runners, where they capture."""
         runners = (self.target, self.drafter.runner)
-        return sum(r.graph_runner.unsettled_runs for r in runners if r.graph_runner is not None)
+        return [r.graph_runner for r in runners if r.graph_runner is not None]
 
     def release(self, reqs: Sequence[Req], keep_state: bool = False) -> list[list[int] | None]:
         """`reqs` leave the running batch (finished, retracted or aborted) and their rows are
@@ -336,9 +340,7 @@ class NextNWorker:
         it missed, a count no warm-up meets, each a step of its own (compiled inline, one
         held a benchmark's timed batch for 30 s), and such passes are rare."""
         drafts: list[list[int] | None] = []
-        runners = (self.target, self.drafter.runner)
-        graph_runners = [r.graph_runner for r in runners if r.graph_runner is not None]
-        with no_new_compiles(graph_runners):
+        with no_new_compiles(self._graph_runners()):
             for group in pass_groups([len(k) for k in kept], self.max_pass_rows):
                 kept_group = [kept[i] for i in group]
                 batch = catch_up_draft_batch(kept_group, [propose[i] for i in group])
@@ -413,7 +415,7 @@ class NextNWorker:
             # the round runs step by step only until its fused graph is ready: the separate
             # steps, which only other rounds need, do not join the queue of compiles ahead
             # of what the traffic will use
-            compiles = no_new_compiles(r.graph_runner for r in (self.target, self.drafter.runner))
+            compiles = no_new_compiles(self._graph_runners())
         with compiles:
             bitmask = verify_bitmask(reqs, drafts, self.vocab_size)  # host work first
             out = self.target.forward(verify)  # [bs * (S + 1)] rows
