@@ -136,6 +136,7 @@ def _build(cache_dir: Path | str | None) -> None:
     torch.library.register_fake("nextn_cpu::swiglu")(_swiglu_fake)
     torch.library.register_fake("nextn_cpu::tile_product")(_tile_product_fake)
     torch.library.register_fake("nextn_cpu::merge_row_keys")(_merge_row_keys_fake)
+    torch.library.register_fake("nextn_cpu::tile_attention")(_tile_attention_fake)
     torch.library.register_fake("nextn_cpu::dense_product")(_dense_product_fake)
     torch.library.register_fake("nextn_cpu::dense_grouped_product")(_dense_grouped_product_fake)
 
@@ -159,6 +160,11 @@ def wait_for_build_lock(
 
 def _merge_row_keys_fake(tile_out, tile_lse, q, source, index, valid, sink, scale):
     return q.new_empty(q.shape)
+
+
+def _tile_attention_fake(q, tile_rows, kv, valid, scale, onednn):
+    shape = (*tile_rows.shape, q.shape[1])
+    return q.new_empty((*shape, q.shape[2])), q.new_empty(shape)
 
 
 def _narrow_product_fake(x, weight, index=None):

@@ -25,6 +25,9 @@
 // mkldnn::_linear_pointwise reached through the dispatcher), where it beats the default
 // BLAS (runtime/kernels/dense_product.py).
 //
+// nextn_cpu::tile_attention: eager prefill's attention of a tile of rows over its shared
+// keys, all heads in one GEMM per tile (runtime/kernels/sink_attention.py).
+//
 // nextn_cpu::merge_row_keys: a prefill row's own selected keys (DeepSeek-V4 CSA) merged
 // into its attention over its tile's keys, the keys read straight from the cache
 // (runtime/kernels/sink_attention.py).
@@ -38,6 +41,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <tuple>
 #include <type_traits>
 #include <utility>
@@ -951,6 +955,114 @@ at::Tensor dense_product(const at::Tensor& x, const at::Tensor& weight,
   return stack[0].toTensor();
 }
 
+// One tile row's scores -> their softmax over the row's valid keys, in place; returns the
+// log-sum-exp (-inf, and a row of zeros, where no key is valid).
+inline float tile_softmax_row(float* z, const bool* valid, int64_t K, float scale) {
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  float top = kNegInf;
+#if defined(NARROW_AVX512)
+  __m512 tops = _mm512_set1_ps(kNegInf);
+  const __m512 sv = _mm512_set1_ps(scale), none = _mm512_set1_ps(kNegInf);
+  for (int64_t k = 0; k < K; k += 16) {
+    const int64_t n = std::min<int64_t>(16, K - k);
+    const __mmask16 m = static_cast<__mmask16>(n == 16 ? 0xFFFFu : (1u << n) - 1u);
+    __m128i bytes;
+    if (n == 16) {
+      bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(valid + k));
+    } else {
+      alignas(16) uint8_t buf[16] = {0};
+      std::memcpy(buf, valid + k, n);
+      bytes = _mm_load_si128(reinterpret_cast<const __m128i*>(buf));
+    }
+    const __m512i wide = _mm512_cvtepu8_epi32(bytes);
+    const __mmask16 seen = _mm512_test_epi32_mask(wide, wide) & m;
+    const __m512 v = _mm512_mask_mul_ps(none, seen, _mm512_maskz_loadu_ps(m, z + k), sv);
+    _mm512_mask_storeu_ps(z + k, m, v);
+    tops = _mm512_mask_max_ps(tops, m, tops, v);
+  }
+  top = _mm512_reduce_max_ps(tops);
+#else
+  for (int64_t k = 0; k < K; ++k) {
+    z[k] = valid[k] ? z[k] * scale : kNegInf;
+    top = std::max(top, z[k]);
+  }
+#endif
+  if (top == kNegInf) {
+    std::fill(z, z + K, 0.0f);
+    return top;
+  }
+  const float sum = exp_shifted_sum(z, K, top, 0.0f);
+  const float inv = 1.0f / sum;
+  for (int64_t k = 0; k < K; ++k) z[k] *= inv;
+  return top + std::log(sum);
+}
+
+// runtime/kernels/sink_attention.py's tile attention of eager prefill (DeepSeek-V4's single
+// latent, key and value alike, shared by a tile's rows and by every head): per tile its
+// R x H queries (gathered from the rows, row r's heads consecutive) times its keys in one
+// GEMM, the masked softmax and log-sum-exp in place while the scores sit in the core's
+// cache, the output in a second GEMM. The GEMMs are oneDNN's where it was chosen
+// (`onednn`), else ATen's default. PyTorch's flash kernel, which this replaces on CPU,
+// multiplies head by head ([R, D] by [D, K]).
+// q [T, H, D], tile_rows [N, R] (row T: a padding lane, zeros), kv [N, K, D] fp32,
+// valid [N, R, K] bool -> (out [N, R, H, D] normalised over the tile's valid keys,
+// lse [N, R, H]; a lane that sees no key: zeros and -inf)
+std::tuple<at::Tensor, at::Tensor> tile_attention(const at::Tensor& q, const at::Tensor& tile_rows,
+                                                  const at::Tensor& kv, const at::Tensor& valid,
+                                                  double scale, bool onednn) {
+  TORCH_CHECK(q.dim() == 3 && tile_rows.dim() == 2 && kv.dim() == 3 && valid.dim() == 3,
+              "tile_attention: q [T, H, D], tile_rows [N, R], kv [N, K, D], valid [N, R, K]");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && kv.scalar_type() == at::kFloat,
+              "tile_attention: fp32 q and kv");
+  TORCH_CHECK(tile_rows.scalar_type() == at::kLong && valid.scalar_type() == at::kBool,
+              "tile_attention: int64 tile_rows, bool valid");
+  const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t N = tile_rows.size(0), R = tile_rows.size(1), K = kv.size(1);
+  TORCH_CHECK(kv.size(0) == N && kv.size(2) == D, "tile_attention: kv [N, K, D]");
+  TORCH_CHECK(valid.size(0) == N && valid.size(1) == R && valid.size(2) == K,
+              "tile_attention: valid [N, R, K]");
+  at::Tensor rc = tile_rows.contiguous();
+  if (rc.numel() > 0) {
+    TORCH_CHECK(rc.min().item<int64_t>() >= 0 && rc.max().item<int64_t>() <= T,
+                "tile_attention: tile_rows outside the rows");
+  }
+  at::Tensor out = at::empty({N, R, H, D}, q.options());
+  at::Tensor lse = at::empty({N, R, H}, q.options());
+  if (out.numel() == 0) return {out, lse};
+  if (K == 0) {
+    out.zero_();
+    lse.fill_(-std::numeric_limits<float>::infinity());
+    return {out, lse};
+  }
+  at::Tensor qc = q.contiguous(), kc = kv.contiguous(), vc = valid.contiguous();
+  const float sc = static_cast<float>(scale);
+  const int64_t row_size = H * D, M = R * H;
+  auto product = [onednn](const at::Tensor& x, const at::Tensor& w) {
+    return onednn ? dense_product(x, w, std::nullopt) : at::mm(x, w.t());
+  };
+  at::parallel_for(0, N, 1, [&](int64_t begin, int64_t end) {
+    at::Tensor queries = at::empty({M, D}, q.options());
+    for (int64_t n = begin; n < end; ++n) {
+      const int64_t* lanes = rc.data_ptr<int64_t>() + n * R;
+      float* dst = queries.data_ptr<float>();
+      for (int64_t r = 0; r < R; ++r, dst += row_size) {
+        if (lanes[r] < T)
+          std::memcpy(dst, qc.data_ptr<float>() + lanes[r] * row_size, row_size * sizeof(float));
+        else
+          std::fill(dst, dst + row_size, 0.0f);
+      }
+      const at::Tensor keys = kc.select(0, n);
+      at::Tensor scores = product(queries, keys).contiguous();  // [M, K]
+      float* z = scores.data_ptr<float>();
+      const bool* seen = vc.data_ptr<bool>() + n * R * K;
+      float* l = lse.data_ptr<float>() + n * M;
+      for (int64_t m = 0; m < M; ++m) l[m] = tile_softmax_row(z + m * K, seen + (m / H) * K, K, sc);
+      out.select(0, n).view({M, D}).copy_(product(scores, keys.t().contiguous()));
+    }
+  });
+  return {out, lse};
+}
+
 // x [A, K] fp32, rows sorted by group, times weight [G, N, K]: rows
 // group_ends[g-1]:group_ends[g] times weight[g] (dense_product per group), rows past the
 // last group zero -> [A, N]. The groups' bounds are read on the host (CPU tensors).
@@ -992,6 +1104,10 @@ TORCH_LIBRARY(nextn_cpu, m) {
   m.def(
       "merge_row_keys(Tensor tile_out, Tensor tile_lse, Tensor q, Tensor source, Tensor index, "
       "Tensor valid, Tensor sink, float scale) -> Tensor");
+  m.def(
+      "tile_attention(Tensor q, Tensor tile_rows, Tensor kv, Tensor valid, float scale, "
+      "bool onednn) -> "
+      "(Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(nextn_cpu, CPU, m) {
@@ -1005,6 +1121,7 @@ TORCH_LIBRARY_IMPL(nextn_cpu, CPU, m) {
   m.impl("dense_product", &dense_product);
   m.impl("dense_grouped_product", &dense_grouped_product);
   m.impl("merge_row_keys", &merge_row_keys);
+  m.impl("tile_attention", &tile_attention);
 }
 
 TORCH_LIBRARY_IMPL(nextn_cpu, CatchAll, m) { m.impl("tile_ready", &tile_ready); }
