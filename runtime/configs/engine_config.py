@@ -24,6 +24,7 @@ from runtime.configs.capture import CAPTURE_COMPILE_MODES, DISABLE_ENV, CaptureC
 from runtime.configs.model_config import SUPPORTED_DTYPES, resolve_dtype
 from runtime.configs.parallel import ParallelLayout, parse_address
 from runtime.configs.speculative import SpeculativeConfig
+from runtime.configs.token_map import AUTO, NONE, resolve_token_map
 
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "assets" / "deepseek_v4_tiny"
 # SGLang's defaults when memory does not decide: 64 request slots, 48 with EAGLE/NEXTN.
@@ -107,10 +108,12 @@ class EngineConfig:
         "yield tokens faster than plain decode steps (the default); 'none': always speculate",
     )
     speculative_token_map: str | None = setting(
-        None,
+        "auto",
         "file of the token ids the draft's LM head scores (FR-Spec hot vocabulary: a "
         "torch.save'd list or tensor, or a JSON list; scripts/make_token_map.py writes one); "
-        "a cheaper draft step, output unchanged (default: the whole vocabulary)",
+        "a cheaper draft step, output unchanged. 'auto' (the default): the table the "
+        "checkpoint names in its config.json (speculative_token_map), else the whole "
+        "vocabulary; 'none': the whole vocabulary",
     )
     constrained_json_disable_any_whitespace: bool = setting(
         False, "structured JSON output in compact layout (no free whitespace between tokens)"
@@ -199,14 +202,23 @@ class EngineConfig:
         )
 
     def speculative_config(self) -> SpeculativeConfig | None:
-        """The resolved speculative shape, None when speculation is off (ValueError if bad)."""
+        """The resolved speculative shape, None when speculation is off (ValueError if bad).
+        The token map's `auto` and `none` become the checkpoint's table or None only when
+        speculating (unset otherwise, so they need no algorithm)."""
+        token_map = self.speculative_token_map
+        if token_map is None or str(token_map).strip().lower() in (AUTO, NONE):
+            speculating = self.speculative_algorithm is not None and (
+                str(self.speculative_algorithm).upper() not in ("", "NONE")
+            )
+            model_path = self.model_path or default_model_path()
+            token_map = resolve_token_map(token_map, model_path) if speculating else None
         return SpeculativeConfig.resolve(
             self.speculative_algorithm,
             self.speculative_num_steps,
             self.speculative_eagle_topk,
             self.speculative_num_draft_tokens,
             self.speculative_disable_by_batch_size,
-            self.speculative_token_map,
+            token_map,
         )
 
     def parallel_layout(self) -> ParallelLayout:
@@ -215,6 +227,11 @@ class EngineConfig:
     def resolve(self):
         """Fill the defaults that depend on other settings and reject bad ones, in place
         (ValueError; FileNotFoundError for a missing checkpoint). Returns self."""
+        self.model_path = str(self.model_path) if self.model_path else default_model_path()
+        if not Path(self.model_path).is_dir():
+            raise FileNotFoundError(
+                f"--model-path '{self.model_path}' does not exist or is not a directory"
+            )
         spec = self.speculative_config()
         if spec:
             self.speculative_algorithm, self.speculative_num_steps = spec.algorithm, spec.num_steps
@@ -226,11 +243,6 @@ class EngineConfig:
             )
         if self.radix_snapshot_slots is None and self.max_running_requests >= 1:
             self.radix_snapshot_slots = 2 * self.max_running_requests
-        self.model_path = str(self.model_path) if self.model_path else default_model_path()
-        if not Path(self.model_path).is_dir():
-            raise FileNotFoundError(
-                f"--model-path '{self.model_path}' does not exist or is not a directory"
-            )
         for ok, message in self._checks():
             if not ok:
                 raise ValueError(message)

@@ -9,6 +9,12 @@ file `torch.save`d from a list or 1-D integer tensor of token ids (FR-Spec publi
 
 Only the draft's proposals change: the target verifies every token, so output stays exactly
 what plain decoding gives whatever the table holds.
+
+A checkpoint may ship its own table and name it in its `config.json`
+(`"speculative_token_map": "freq_2048.json"`, a path relative to the checkpoint's
+directory), as EAGLE-3 drafts carry their reduced vocabulary (`d2t`) in the checkpoint
+itself. The flag's default, `auto`, uses that table where the checkpoint names one and the
+whole vocabulary elsewhere; `none` always scores the whole vocabulary.
 """
 
 from __future__ import annotations
@@ -17,6 +23,42 @@ import json
 from pathlib import Path
 
 import torch
+
+AUTO = "auto"  # the checkpoint's own table, if its config names one
+NONE = "none"  # the whole vocabulary
+CHECKPOINT_KEY = "speculative_token_map"  # the key of a checkpoint's config.json naming it
+
+
+def checkpoint_token_map(model_path: str | Path) -> str | None:
+    """The table a checkpoint names for its draft (`speculative_token_map` in its
+    config.json, relative to its directory), None where it names none. ValueError naming
+    the key when the named file is missing."""
+    config_file = Path(model_path) / "config.json"
+    try:
+        config = json.loads(config_file.read_text())
+    except (OSError, ValueError):
+        return None  # no readable config: the model loader reports that
+    name = config.get(CHECKPOINT_KEY) if isinstance(config, dict) else None
+    if not name:
+        return None
+    table = Path(model_path) / str(name)
+    if not table.is_file():
+        raise ValueError(
+            f"{config_file} names the draft's token map '{name}' ({CHECKPOINT_KEY}), but "
+            f"{table} does not exist; restore it, or pass --speculative-token-map none (the "
+            "whole vocabulary) or a table of your own"
+        )
+    return str(table)
+
+
+def resolve_token_map(value: str | Path | None, model_path: str | Path) -> str | None:
+    """The table `--speculative-token-map value` means for the checkpoint at `model_path`:
+    `auto` (and None, unset) its own table or None, `none` None, else `value` itself."""
+    if value is None or str(value).strip().lower() == AUTO:
+        return checkpoint_token_map(model_path)
+    if str(value).strip().lower() == NONE:
+        return None
+    return str(value)
 
 
 def load_token_map(path: str | Path) -> tuple[int, ...]:

@@ -62,16 +62,21 @@ def step_by_step(variant: Variant) -> Variant:
 
 
 def _nextn_variant(args: argparse.Namespace, algorithm: str, steps, token_map) -> Variant:
+    """`token_map` as the engine reads `--speculative-token-map` (unset or `auto`: the
+    checkpoint's own table, if it names one; `none`: the whole vocabulary), resolved here
+    so that the label says which and the engine is told exactly that."""
+    from runtime.configs.engine_config import default_model_path
     from runtime.configs.speculative import SpeculativeConfig
+    from runtime.configs.token_map import NONE, resolve_token_map
 
-    whole_vocab = token_map is None or str(token_map).lower() == "none"
+    model_path = getattr(args, "model_path", None) or default_model_path()
     cfg = SpeculativeConfig.resolve(
         algorithm,
         steps,
         args.speculative_eagle_topk,
         args.speculative_num_draft_tokens,
         args.speculative_disable_by_batch_size,
-        None if whole_vocab else token_map,
+        resolve_token_map(token_map, model_path),
     )
     spec = {
         "speculative_algorithm": cfg.algorithm,
@@ -82,8 +87,8 @@ def _nextn_variant(args: argparse.Namespace, algorithm: str, steps, token_map) -
     if args.speculative_disable_by_batch_size is not None:  # else the engine's default
         spec["speculative_disable_by_batch_size"] = args.speculative_disable_by_batch_size
     label = f"steps={cfg.num_steps}"
+    spec["speculative_token_map"] = NONE if cfg.token_map is None else cfg.token_map
     if cfg.token_map is not None:
-        spec["speculative_token_map"] = cfg.token_map
         label += f", hot={len(cfg.hot_token_ids)}"
     return Variant(f"{cfg.algorithm}({label})", spec)
 

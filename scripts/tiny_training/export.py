@@ -10,6 +10,7 @@ from pathlib import Path
 
 from torch import nn
 
+from runtime.configs.token_map import CHECKPOINT_KEY
 from scripts import REPO_ROOT
 from scripts.tiny_training.corpus import TOKEN_IDS, Corpus, save_tokenizer
 from scripts.tiny_training.families import FAMILIES, family_of_config
@@ -54,6 +55,11 @@ def export_hot_vocab(corpus: Corpus, out_dir: Path) -> None:
     framing = {TOKEN_IDS["bos"], TOKEN_IDS["eos"]}
     counts = stream_counts(corpus.train_stream, skip=framing)
     write_table(hot_tokens(counts, HOT_VOCAB_SIZE, [TOKEN_IDS["eos"]]), out_dir / HOT_VOCAB_FILE)
+    # the checkpoint names its table, so `--speculative-token-map auto` (the default) uses it
+    config_file = out_dir / "config.json"
+    config = json.loads(config_file.read_text())
+    config[CHECKPOINT_KEY] = HOT_VOCAB_FILE
+    config_file.write_text(json.dumps(config, indent=2) + "\n")
 
 
 def load_checkpoint(path: Path) -> nn.Module:

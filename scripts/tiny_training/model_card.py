@@ -201,7 +201,9 @@ def _card_hot_vocab_lines() -> list[str]:
         "## Draft hot vocabulary",
         "",
         f"`{HOT_VOCAB_FILE}`: the {HOT_VOCAB_SIZE} most frequent token ids of the training "
-        "split (and `<|eos|>`), written by the trainer, for `--speculative-token-map`: the "
-        "MTP draft's LM head then scores only these (FR-Spec), a cheaper draft step with "
-        "the output unchanged. `scripts.make_token_map` writes such a table for any corpus.",
+        "split (and `<|eos|>`), written by the trainer and named in `config.json` "
+        "(`speculative_token_map`), so `--speculative-token-map auto` (the default) uses "
+        "it: the MTP draft's LM head then scores only these (FR-Spec), a cheaper draft "
+        "step with the output unchanged (`none`: the whole vocabulary). "
+        "`scripts.make_token_map` writes such a table for any corpus.",
     ]

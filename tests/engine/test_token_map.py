@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """`--speculative-token-map` (FR-Spec's hot vocabulary, SGLang's flag): the draft's LM head
-scores only the table's tokens.
+scores only the table's tokens; by default (`auto`) the table a checkpoint names in its
+config.json, `none` the whole vocabulary.
 
 Whatever the table holds, the output is plain decoding's (greedy for both families, and with
 grammars whose tokens are all outside the table; sampling keeps plain sampling's
@@ -136,3 +137,67 @@ def test_server_info_reports_the_table(checkpoint, tmp_path):
     info = nextn_of(checkpoint, table).info.to_json()
     assert info["speculative_token_map"] == table
     assert engine_of(checkpoint).info.to_json()["speculative_token_map"] is None
+
+
+# the checkpoint's own table (`--speculative-token-map auto`, the default) ---------------------
+
+
+def with_own_table(checkpoint, tmp_path, ids, name="freq_own.json"):
+    """A copy of `checkpoint` whose config.json names a table of `ids` shipped beside it."""
+    import shutil
+
+    from runtime.configs.token_map import CHECKPOINT_KEY
+
+    copy = tmp_path / "with_table"
+    shutil.copytree(checkpoint, copy)
+    write_table(copy, ids, name)
+    config = json.loads((copy / "config.json").read_text())
+    (copy / "config.json").write_text(json.dumps({**config, CHECKPOINT_KEY: name}))
+    return copy
+
+
+def test_the_checkpoints_own_table_is_the_default(checkpoint, reference, tmp_path):
+    """A checkpoint that names its table drafts over it unless `none` is asked for: `auto`
+    and unset resolve to it (the info reports it), `none` to the whole vocabulary; output
+    plain either way."""
+    prompts, plain, proposals, _ = reference
+    table = set(range(0, nextn_of(checkpoint).model_config.vocab_size, 3))
+    own = with_own_table(checkpoint, tmp_path, table)
+    for value in (None, "auto", "AUTO"):
+        nextn = nextn_of(own, value)
+        assert nextn.info.to_json()["speculative_token_map"] == str(own / "freq_own.json")
+        hot = proposals_of(nextn)
+        outs = nextn.generate(input_ids=prompts, sampling_params=GREEDY)
+        assert [o["output_ids"] for o in outs] == plain
+        assert hot and {t for p in hot for t in p} <= table
+    whole = nextn_of(own, "none")
+    assert whole.info.to_json()["speculative_token_map"] is None
+    seen = proposals_of(whole)
+    outs = whole.generate(input_ids=prompts, sampling_params=GREEDY)
+    assert [o["output_ids"] for o in outs] == plain
+    assert seen == proposals  # the whole vocabulary's draft, as without a table
+    assert nextn_of(checkpoint, "auto").info.to_json()["speculative_token_map"] is None
+
+
+def test_a_missing_own_table_names_the_config_key(checkpoint, tmp_path):
+    own = with_own_table(checkpoint, tmp_path, range(10))
+    (own / "freq_own.json").unlink()
+    with pytest.raises(ValueError, match="speculative_token_map"):
+        nextn_of(own)
+    assert nextn_of(own, "none").info.to_json()["speculative_token_map"] is None
+
+
+def test_the_embedded_model_names_its_shipped_table():
+    """Config resolution only (no weights): the default model drafts over its shipped
+    table; `auto` and `none` need no algorithm, a file does."""
+    from runtime.configs.engine_config import EngineConfig, default_model_path
+
+    shipped = f"{default_model_path()}/freq_2048.json"
+    spec = EngineConfig(speculative_algorithm="NEXTN").resolve().speculative_config()
+    assert spec.token_map == shipped and len(spec.hot_token_ids) == 2049
+    off = EngineConfig(speculative_algorithm="NEXTN", speculative_token_map="none").resolve()
+    assert off.speculative_config().token_map is None
+    for value in ("auto", "none", None):
+        assert EngineConfig(speculative_token_map=value).resolve().speculative_config() is None
+    with pytest.raises(ValueError, match="need --speculative-algorithm"):
+        EngineConfig(speculative_token_map=shipped).resolve()

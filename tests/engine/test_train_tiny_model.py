@@ -88,11 +88,13 @@ def test_checkpoint_directory(trained):
     assert summary["steps"] == 3 and summary["heldout"]["trunk"] > 0
     assert "Held-out results" in (trained / "README.md").read_text()
     # the draft's hot vocabulary: loadable by the server, ending replies is always proposable
-    from runtime.configs.token_map import check_token_map, load_token_map
+    # and named by the config, so the server's default (`auto`) drafts over it
+    from runtime.configs.token_map import check_token_map, checkpoint_token_map, load_token_map
 
     table = load_token_map(trained / "freq_2048.json")
     check_token_map(table, config["vocab_size"])
     assert config["eos_token_id"] in table and 1 < len(table) <= config["vocab_size"]
+    assert checkpoint_token_map(trained) == str(trained / "freq_2048.json")
 
 
 def test_released_key_set_matches_the_test_checkpoints(trained, tmp_path):
