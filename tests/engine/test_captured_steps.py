@@ -589,9 +589,11 @@ def test_default_model_captured_steps_read_narrow_copies(monkeypatch):
 
 def test_narrow_copies_follow_the_flag_and_the_dtype(monkeypatch):
     """The embedded bf16 model in fp32 with captured steps gets bf16 copies (of its routed
-    experts, linear layers and LM head, one copy of the head target and draft share);
-    `--disable-narrow-weights`, `--disable-cuda-graph` or bf16 weights get none. Nothing
-    compiles here (no step runs)."""
+    experts, linear layers and LM head, one copy of the head target and draft share when
+    the draft scores the whole vocabulary; with the model's own hot vocabulary, the
+    default, the draft's smaller head has its own); `--disable-narrow-weights`,
+    `--disable-cuda-graph` or bf16 weights get none. Nothing compiles here (no step
+    runs)."""
     monkeypatch.delenv(DISABLE_ENV, raising=False)
 
     def copies(**kw):
@@ -604,11 +606,13 @@ def test_narrow_copies_follow_the_flag_and_the_dtype(monkeypatch):
             if name.endswith("_narrow")
         ]
 
-    made = copies(dtype="float32")
+    made = copies(dtype="float32", speculative_token_map="none")
     assert made and all(b.dtype == torch.bfloat16 for _, b in made)
     assert any("experts" in n for n, _ in made) and any("wq_b" in n for n, _ in made)
     heads = [b for n, b in made if "lm_head" in n]
     assert len(heads) == 2 and len({b.data_ptr() for b in heads}) == 1
+    heads = [b for n, b in copies(dtype="float32") if "lm_head" in n]
+    assert sorted(b.shape[0] for b in heads) == [2049, 4096]
     assert not copies(dtype="float32", disable_narrow_weights=True)
     assert not copies(dtype="float32", disable_cuda_graph=True)
     assert not copies(dtype="bfloat16")
