@@ -67,6 +67,21 @@ def test_equals_the_fp32_product_up_to_the_order_of_its_sums(shape, k, n, bias):
     assert err <= 4 * reference_err + 1e-6
 
 
+@pytest.mark.parametrize("rows", [0, 17, 129, 300, 513, 2047, 2049, 2600])
+def test_row_counts_off_the_ladder_are_padded_and_cut_back(rows):
+    """Products are built for the rows rounded up to a short ladder (oneDNN builds one
+    primitive per shape): any row count gives the product of exactly its rows, contiguous,
+    the padding's rows dropped, and the values of those rows in a larger product."""
+    x, weight, b = operands((rows,), 256, 64, bias=True)
+    with torch.inference_mode():
+        got = dense.dense_product(x, weight, b)
+        torch.testing.assert_close(got, dense.dense_product_reference(x, weight, b))
+        assert got.shape == (rows, 64) and got.is_contiguous()
+        if rows:
+            padded = torch.cat([x, torch.zeros(31, 256)])
+            torch.testing.assert_close(dense.dense_product(padded, weight, b)[:rows], got)
+
+
 def test_rows_that_are_a_strided_view_and_an_expanded_bias():
     g = torch.Generator().manual_seed(1)
     wide = torch.randn(70, 2, 200, generator=g)
