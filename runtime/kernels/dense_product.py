@@ -20,6 +20,11 @@ weights as inputs, so the project's C++ extension exposes it as `nextn_cpu::dens
 (an opaque node with a fake implementation, called by inductor's C++ wrapper through the
 dispatcher).
 
+oneDNN builds a primitive per shape (its cache holds 1,024), which costs more than the
+product itself for a shape met the first time; the C++ operator therefore multiplies the
+rows rounded up to a short ladder (zero rows appended, their results dropped), so that
+prefill chunks and routed-expert groups of any size reuse a few shapes per weight.
+
 Whether to use it is decided once per process by a short probe (`choose`, when the
 extension loads, before any step is traced): both libraries multiply a verify-sized and a
 prefill-sized product, and oneDNN is used only where it is faster on both by
