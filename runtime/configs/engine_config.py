@@ -24,7 +24,6 @@ from runtime.configs.capture import CAPTURE_COMPILE_MODES, DISABLE_ENV, CaptureC
 from runtime.configs.model_config import SUPPORTED_DTYPES, resolve_dtype
 from runtime.configs.parallel import ParallelLayout, parse_address
 from runtime.configs.speculative import SpeculativeConfig
-from runtime.configs.token_map import AUTO, NONE, resolve_token_map
 
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "assets" / "deepseek_v4_tiny"
 # SGLang's defaults when memory does not decide: 64 request slots, 48 with EAGLE/NEXTN.
@@ -202,23 +201,16 @@ class EngineConfig:
         )
 
     def speculative_config(self) -> SpeculativeConfig | None:
-        """The resolved speculative shape, None when speculation is off (ValueError if bad).
-        The token map's `auto` and `none` become the checkpoint's table or None only when
-        speculating (unset otherwise, so they need no algorithm)."""
-        token_map = self.speculative_token_map
-        if token_map is None or str(token_map).strip().lower() in (AUTO, NONE):
-            speculating = self.speculative_algorithm is not None and (
-                str(self.speculative_algorithm).upper() not in ("", "NONE")
-            )
-            model_path = self.model_path or default_model_path()
-            token_map = resolve_token_map(token_map, model_path) if speculating else None
+        """The resolved speculative shape, None when speculation is off (ValueError if bad);
+        the token map's `auto` resolves against this checkpoint."""
         return SpeculativeConfig.resolve(
             self.speculative_algorithm,
             self.speculative_num_steps,
             self.speculative_eagle_topk,
             self.speculative_num_draft_tokens,
             self.speculative_disable_by_batch_size,
-            token_map,
+            self.speculative_token_map,
+            self.model_path or default_model_path(),
         )
 
     def parallel_layout(self) -> ParallelLayout:

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from pathlib import Path
 
-from runtime.configs.token_map import load_token_map
+from runtime.configs.token_map import AUTO, NONE, load_token_map, resolve_token_map
 
 logger = logging.getLogger(__name__)
 
@@ -39,13 +40,16 @@ class SpeculativeConfig:
         num_draft_tokens: int | None = None,
         disable_by_batch_size: int | str | None = None,
         token_map: str | None = None,
+        model_path: str | Path | None = None,
     ) -> SpeculativeConfig | None:
         """None when speculation is off. Raises ValueError with the fix for bad settings.
         `disable_by_batch_size`: a batch size, `auto` (measured) or None / `none` (always
-        speculate)."""
+        speculate). `token_map`: a table file, `auto` or None (the table the checkpoint at
+        `model_path` names, if any) or `none` (the whole vocabulary; `resolve_token_map`)."""
         limit, measured = parse_disable_by_batch_size(disable_by_batch_size)
+        chosen = token_map is not None and str(token_map).strip().lower() not in (AUTO, NONE)
         if algorithm is None or str(algorithm).upper() in ("", "NONE"):
-            shape = (num_steps, eagle_topk, num_draft_tokens, limit, token_map)
+            shape = (num_steps, eagle_topk, num_draft_tokens, limit, token_map if chosen else None)
             if any(v is not None for v in shape):
                 raise ValueError("speculative options need --speculative-algorithm NEXTN")
             return None
@@ -73,6 +77,7 @@ class SpeculativeConfig:
                 steps,
                 tokens,
             )
+        token_map = resolve_token_map(token_map, model_path)
         if token_map is None:
             return cls(name, steps, topk, tokens, limit, measured)
         return cls(

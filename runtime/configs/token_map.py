@@ -51,11 +51,12 @@ def checkpoint_token_map(model_path: str | Path) -> str | None:
     return str(table)
 
 
-def resolve_token_map(value: str | Path | None, model_path: str | Path) -> str | None:
+def resolve_token_map(value: str | Path | None, model_path: str | Path | None) -> str | None:
     """The table `--speculative-token-map value` means for the checkpoint at `model_path`:
-    `auto` (and None, unset) its own table or None, `none` None, else `value` itself."""
+    `auto` (and None, unset) its own table or None (also without a checkpoint), `none`
+    None, else `value` itself."""
     if value is None or str(value).strip().lower() == AUTO:
-        return checkpoint_token_map(model_path)
+        return None if model_path is None else checkpoint_token_map(model_path)
     if str(value).strip().lower() == NONE:
         return None
     return str(value)

@@ -67,16 +67,16 @@ def _nextn_variant(args: argparse.Namespace, algorithm: str, steps, token_map) -
     so that the label says which and the engine is told exactly that."""
     from runtime.configs.engine_config import default_model_path
     from runtime.configs.speculative import SpeculativeConfig
-    from runtime.configs.token_map import NONE, resolve_token_map
+    from runtime.configs.token_map import NONE
 
-    model_path = getattr(args, "model_path", None) or default_model_path()
     cfg = SpeculativeConfig.resolve(
         algorithm,
         steps,
         args.speculative_eagle_topk,
         args.speculative_num_draft_tokens,
         args.speculative_disable_by_batch_size,
-        resolve_token_map(token_map, model_path),
+        token_map,
+        getattr(args, "model_path", None) or default_model_path(),
     )
     spec = {
         "speculative_algorithm": cfg.algorithm,
