@@ -138,6 +138,7 @@ def _build(cache_dir: Path | str | None) -> None:
     torch.library.register_fake("nextn_cpu::merge_row_keys")(_merge_row_keys_fake)
     torch.library.register_fake("nextn_cpu::tile_attention")(_tile_attention_fake)
     torch.library.register_fake("nextn_cpu::dense_product")(_dense_product_fake)
+    torch.library.register_fake("nextn_cpu::group_attention")(_group_attention_fake)
     torch.library.register_fake("nextn_cpu::dense_grouped_product")(_dense_grouped_product_fake)
 
 
@@ -165,6 +166,11 @@ def _merge_row_keys_fake(tile_out, tile_lse, q, source, index, valid, sink, scal
 def _tile_attention_fake(q, tile_rows, kv, valid, scale, onednn):
     shape = (*tile_rows.shape, q.shape[1])
     return q.new_empty((*shape, q.shape[2])), q.new_empty(shape)
+
+
+def _group_attention_fake(q, kv, valid, row_kv, row_valid, sink, scale):
+    batch, rows, heads, dim = q.shape
+    return q.new_empty((batch * rows, heads, dim))
 
 
 def _narrow_product_fake(x, weight, index=None):

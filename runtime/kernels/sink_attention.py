@@ -285,7 +285,42 @@ def grouped_sink_attention(
     `q [B, R, H, D]`; `kv [B, K, D]` keys shared by the group's rows with `valid [B, R, K]`;
     `row_kv [B * R, Kr, D]` keys of each row alone with `row_valid [B * R, Kr]` (or None).
     Returns `[B * R, H, D]`.
+
+    On CPU with the C++ kernels loaded, fp32 and no grad wanted, eagerly and in captured
+    steps alike: `nextn_cpu::group_attention`, one pass per group with the scores, the
+    softmax and the output in the core's cache, every query's sums in one order whatever
+    the batch and rows per group (on a 2-core AMD EPYC, one thread, a batch-16 verify of the
+    default model: 96 against 323 us per layer for the batched products below, compiled or
+    not; 68 against 108 us for a decode step's). Otherwise `grouped_sink_attention_bmm`.
     """
+    if _kernel_serves(q, kv, row_kv):
+        return torch.ops.nextn_cpu.group_attention(
+            q, kv, valid, row_kv, row_valid, sink.float(), scale
+        )
+    return grouped_sink_attention_bmm(q, kv, valid, row_kv, row_valid, sink, scale)
+
+
+def _kernel_serves(q: torch.Tensor, kv: torch.Tensor, row_kv: torch.Tensor | None) -> bool:
+    return (
+        cpu_extension.available()
+        and q.device.type == "cpu"
+        and not torch.is_grad_enabled()
+        and q.dtype == kv.dtype == torch.float32
+        and (row_kv is None or row_kv.dtype == torch.float32)
+    )
+
+
+def grouped_sink_attention_bmm(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    valid: torch.Tensor,
+    row_kv: torch.Tensor | None,
+    row_valid: torch.Tensor | None,
+    sink: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """`grouped_sink_attention` as batched products around a softmax (any dtype, device,
+    grad)."""
     groups, rows, heads, dim = q.shape
     width = kv.shape[1]
     scores = torch.bmm(q.reshape(groups, rows * heads, dim), kv.transpose(1, 2)).float() * scale

@@ -28,6 +28,10 @@
 // nextn_cpu::tile_attention: eager prefill's attention of a tile of rows over its shared
 // keys, all heads in one GEMM per tile (runtime/kernels/sink_attention.py).
 //
+// nextn_cpu::group_attention: a uniform step's attention, each request's rows and heads
+// over its shared keys (and each row's own selected keys) in one pass per request
+// (runtime/kernels/sink_attention.py).
+//
 // nextn_cpu::merge_row_keys: a prefill row's own selected keys (DeepSeek-V4 CSA) merged
 // into its attention over its tile's keys, the keys read straight from the cache
 // (runtime/kernels/sink_attention.py).
@@ -1113,6 +1117,326 @@ at::Tensor dense_grouped_product(const at::Tensor& x, const at::Tensor& weight,
   return out;
 }
 
+// runtime/kernels/sink_attention.py's grouped attention of a uniform (decode, verify or
+// draft) step: every request runs R rows, whose R x H queries share the request's keys
+// (DeepSeek-V4's single latent, key and value alike), each row perhaps with its own
+// selected keys too, and every head has an attention sink. Per request, in the core's cache:
+// the queries transposed to [D, M] (M = R x H, padded to whole vectors), the scores
+// computed transposed ([keys, M]: a key's value broadcast against vectors of queries), so
+// that the masked softmax runs down the keys with the queries in the vector lanes (no
+// horizontal reductions), and the output as the exponentials times the keys, scaled by each
+// query's 1 / sum once at the end. Every query's sums run in the same order whatever the
+// batch, the rows per request or the lanes it sits in, so decode, verify and draft steps of
+// any bucket give a query bit-identical results. PyTorch's batched products, which this
+// replaces in captured steps, ran these small shapes ([32, 64] x [64, 131] per request) at
+// about 85 GFLOP/s through MKL on an AMD EPYC.
+// q [B, R, H, D], kv [B, K, D], valid [B, R, K] bool, row_kv [B * R, Kr, D] and row_valid
+// [B * R, Kr] bool (or none), sink [H] -> out [B * R, H, D], all fp32.
+constexpr int64_t kGroupLanes = 16;
+
+#if defined(NARROW_AVX512)
+// scores^T rows k0 .. k0 + MR (keys `keys[i]`) x query vectors v0 .. v0 + NV
+template <int MR, int NV>
+inline void transposed_scores(const float* const* keys, const float* qt, int64_t Mp, int64_t D,
+                              float* const* out) {
+  __m512 acc[MR][NV];
+  for (int i = 0; i < MR; ++i)
+    for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < D; ++d) {
+    __m512 b[NV];
+    for (int v = 0; v < NV; ++v) b[v] = _mm512_loadu_ps(qt + d * Mp + v * kGroupLanes);
+    for (int i = 0; i < MR; ++i) {
+      const __m512 a = _mm512_set1_ps(keys[i][d]);
+      for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_fmadd_ps(a, b[v], acc[i][v]);
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    if (out[i] != nullptr)
+      for (int v = 0; v < NV; ++v) _mm512_storeu_ps(out[i] + v * kGroupLanes, acc[i][v]);
+}
+
+// out rows m0 .. m0 + 4 (columns d0 .. d0 + 16 NV, the last vector masked by `tail`) +=
+// sum_k e[k, m] x values[m][k, d]: `e` [n, Mp] from column m0, `values[i]` lane i's keys
+template <int NV>
+inline void weighted_keys(const float* e, int64_t Mp, const float* const* values, int64_t D,
+                          int64_t n, __mmask16 tail, __m512 (&acc)[4][NV]) {
+  const bool shared = values[0] == values[1] && values[0] == values[2] && values[0] == values[3];
+  for (int64_t k = 0; k < n; ++k) {
+    const float* w = e + k * Mp;
+    if (shared) {
+      __m512 b[NV];
+      for (int v = 0; v < NV; ++v)
+        b[v] = v + 1 < NV ? _mm512_loadu_ps(values[0] + k * D + v * kGroupLanes)
+                          : _mm512_maskz_loadu_ps(tail, values[0] + k * D + v * kGroupLanes);
+      for (int i = 0; i < 4; ++i) {
+        const __m512 a = _mm512_set1_ps(w[i]);
+        for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_fmadd_ps(a, b[v], acc[i][v]);
+      }
+    } else {
+      for (int i = 0; i < 4; ++i) {
+        const __m512 a = _mm512_set1_ps(w[i]);
+        for (int v = 0; v < NV; ++v) {
+          const float* src = values[i] + k * D + v * kGroupLanes;
+          const __m512 b = v + 1 < NV ? _mm512_loadu_ps(src) : _mm512_maskz_loadu_ps(tail, src);
+          acc[i][v] = _mm512_fmadd_ps(a, b, acc[i][v]);
+        }
+      }
+    }
+  }
+}
+#endif
+
+// scores^T [n, Mp] (rows `keys[k]`) for the query vectors v_begin .. v_end (16 lanes
+// each): s[k, m] = sum_d keys[k][d] qt[d, m], rows of `s` and `qt` Mp apart
+void group_scores(const float* const* keys, int64_t n, const float* qt, int64_t Mp, int64_t D,
+                  int64_t v_begin, int64_t v_end, float* s) {
+#if defined(NARROW_AVX512)
+  // keys per block: as many as the accumulators allow (24 vectors), fewer where that
+  // spreads n keys over the same number of blocks with fewer recomputed past the end
+  constexpr int kMaxKeys = 24;
+  for (int64_t v0 = v_begin; v0 < v_end;) {
+    const int64_t nv = std::min<int64_t>(2, v_end - v0);
+    const int64_t widest = kMaxKeys / nv;
+    const int64_t blocks = std::max<int64_t>(1, (n + widest - 1) / widest);
+    const int64_t step = widest / 3;  // block sizes offered: thirds of the widest
+    const int64_t mr = std::min(widest, ((n + blocks - 1) / blocks + step - 1) / step * step);
+    for (int64_t k0 = 0; k0 < n; k0 += mr) {
+      const float* rows[kMaxKeys];
+      float* out[kMaxKeys];
+      for (int64_t i = 0; i < mr; ++i) {
+        const int64_t k = std::min(k0 + i, n - 1);  // past the end: recomputed, not stored
+        rows[i] = keys[k];
+        out[i] = k0 + i < n ? s + (k0 + i) * Mp + v0 * kGroupLanes : nullptr;
+      }
+      const float* qv = qt + v0 * kGroupLanes;
+      switch (nv * 100 + mr) {
+        case 204: transposed_scores<4, 2>(rows, qv, Mp, D, out); break;
+        case 208: transposed_scores<8, 2>(rows, qv, Mp, D, out); break;
+        case 212: transposed_scores<12, 2>(rows, qv, Mp, D, out); break;
+        case 108: transposed_scores<8, 1>(rows, qv, Mp, D, out); break;
+        case 116: transposed_scores<16, 1>(rows, qv, Mp, D, out); break;
+        default: transposed_scores<24, 1>(rows, qv, Mp, D, out); break;
+      }
+    }
+    v0 += nv;
+  }
+#else
+  const int64_t m_begin = v_begin * kGroupLanes, m_end = v_end * kGroupLanes;
+  for (int64_t k = 0; k < n; ++k) {
+    float* row = s + k * Mp;
+    std::fill(row + m_begin, row + m_end, 0.0f);
+    for (int64_t d = 0; d < D; ++d) {
+      const float a = keys[k][d];
+      const float* b = qt + d * Mp;
+      for (int64_t m = m_begin; m < m_end; ++m) row[m] += a * b[m];
+    }
+  }
+#endif
+}
+
+// scores^T rows [n, Mp] -> scaled, -inf where lane m's row does not see key k
+// (`seen[row * stride + k]`), the running top of each lane raised to them
+void mask_scores(float* s, int64_t n, int64_t Mp, const bool* seen, int64_t stride,
+                 const int64_t* lane_row, const uint16_t* lane_bits, int64_t R, float scale,
+                 float* top) {
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+#if defined(NARROW_AVX512)
+  const __m512 sv = _mm512_set1_ps(scale), none = _mm512_set1_ps(kNegInf);
+  for (int64_t v = 0; v < Mp / kGroupLanes; ++v) {
+    const int64_t r_lo = lane_row[v * kGroupLanes];
+    const int64_t r_hi = std::min(lane_row[v * kGroupLanes + kGroupLanes - 1], R - 1);
+    __m512 tops = _mm512_loadu_ps(top + v * kGroupLanes);
+    for (int64_t k = 0; k < n; ++k) {
+      uint32_t bits = 0;
+      for (int64_t r = r_lo; r <= r_hi; ++r)
+        if (seen[r * stride + k]) bits |= lane_bits[v * R + r];
+      float* z = s + k * Mp + v * kGroupLanes;
+      const __m512 x = _mm512_mask_mul_ps(none, static_cast<__mmask16>(bits), _mm512_loadu_ps(z), sv);
+      _mm512_storeu_ps(z, x);
+      tops = _mm512_max_ps(tops, x);
+    }
+    _mm512_storeu_ps(top + v * kGroupLanes, tops);
+  }
+#else
+  for (int64_t k = 0; k < n; ++k) {
+    float* row = s + k * Mp;
+    for (int64_t m = 0; m < Mp; ++m) {
+      const int64_t r = lane_row[m];
+      row[m] = r < R && seen[r * stride + k] ? row[m] * scale : kNegInf;
+      top[m] = std::max(top[m], row[m]);
+    }
+  }
+#endif
+}
+
+// rows [n, Mp] <- exp(rows - top) lane by lane, their sums added to `sums`
+void exponentials(float* s, int64_t n, int64_t Mp, const float* top, float* sums) {
+  for (int64_t k = 0; k < n; ++k) {
+    float* row = s + k * Mp;
+#if defined(NARROW_AVX512)
+    for (int64_t m = 0; m < Mp; m += kGroupLanes) {
+      const __m512 e = exp_lanes(_mm512_sub_ps(_mm512_loadu_ps(row + m), _mm512_loadu_ps(top + m)));
+      _mm512_storeu_ps(row + m, e);
+      _mm512_storeu_ps(sums + m, _mm512_add_ps(_mm512_loadu_ps(sums + m), e));
+    }
+#else
+    for (int64_t m = 0; m < Mp; ++m) {
+      row[m] = std::exp(row[m] - top[m]);
+      sums[m] += row[m];
+    }
+#endif
+  }
+}
+
+at::Tensor group_attention(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& valid,
+                           const c10::optional<at::Tensor>& row_kv,
+                           const c10::optional<at::Tensor>& row_valid, const at::Tensor& sink,
+                           double scale) {
+  TORCH_CHECK(q.dim() == 4 && kv.dim() == 3 && valid.dim() == 3,
+              "group_attention: q [B, R, H, D], kv [B, K, D], valid [B, R, K]");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && kv.scalar_type() == at::kFloat &&
+                  sink.scalar_type() == at::kFloat && valid.scalar_type() == at::kBool,
+              "group_attention: fp32 q, kv and sink, bool valid");
+  const int64_t B = q.size(0), R = q.size(1), H = q.size(2), D = q.size(3), K = kv.size(1);
+  TORCH_CHECK(kv.size(0) == B && kv.size(2) == D, "group_attention: kv [B, K, D]");
+  TORCH_CHECK(valid.size(0) == B && valid.size(1) == R && valid.size(2) == K,
+              "group_attention: valid [B, R, K]");
+  TORCH_CHECK(sink.numel() == H, "group_attention: sink [H]");
+  TORCH_CHECK(row_kv.has_value() == row_valid.has_value(),
+              "group_attention: row_kv and row_valid together");
+  int64_t Kr = 0;
+  at::Tensor rk, rv;
+  if (row_kv.has_value()) {
+    rk = row_kv->contiguous();
+    rv = row_valid->contiguous();
+    Kr = rk.size(1);
+    TORCH_CHECK(rk.dim() == 3 && rk.size(0) == B * R && rk.size(2) == D &&
+                    rk.scalar_type() == at::kFloat,
+                "group_attention: row_kv [B * R, Kr, D] fp32");
+    TORCH_CHECK(rv.dim() == 2 && rv.size(0) == B * R && rv.size(1) == Kr &&
+                    rv.scalar_type() == at::kBool,
+                "group_attention: row_valid [B * R, Kr] bool");
+  }
+  at::Tensor out = at::empty({B * R, H, D}, q.options());
+  if (out.numel() == 0) return out;
+  const at::Tensor qc = q.contiguous(), kc = kv.contiguous(), vc = valid.contiguous();
+  const at::Tensor sc = sink.contiguous();
+  const int64_t M = R * H, Mp = (M + kGroupLanes - 1) / kGroupLanes * kGroupLanes;
+  const float fscale = static_cast<float>(scale);
+  const float* qd = qc.data_ptr<float>();
+  const float* kd = kc.data_ptr<float>();
+  const bool* vd = vc.data_ptr<bool>();
+  const float* rkd = Kr ? rk.data_ptr<float>() : nullptr;
+  const bool* rvd = Kr ? rv.data_ptr<bool>() : nullptr;
+  float* od = out.data_ptr<float>();
+  // a lane's row (R for padding lanes, which see nothing), sink logit, and the bits of
+  // each row's lanes in each vector
+  const int64_t V = Mp / kGroupLanes;
+  std::vector<int64_t> lane_row(Mp);
+  std::vector<float> lane_sink(Mp, 0.0f);
+  std::vector<uint16_t> lane_bits(V * R, 0);
+  for (int64_t m = 0; m < Mp; ++m) {
+    lane_row[m] = m < M ? m / H : R;
+    if (m < M) {
+      lane_sink[m] = sc.data_ptr<float>()[m % H];
+      lane_bits[(m / kGroupLanes) * R + m / H] |= static_cast<uint16_t>(1u << (m % kGroupLanes));
+    }
+  }
+  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qt(D * Mp, 0.0f), s(std::max<int64_t>(K, 1) * Mp), t(Kr * Mp);
+    std::vector<float> part(Kr * Mp), top(Mp), inv(Mp);
+    std::vector<const float*> keys(std::max(K, Kr));
+    for (int64_t b = begin; b < end; ++b) {
+      const float* qb = qd + b * M * D;
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t d = 0; d < D; ++d) qt[d * Mp + m] = qb[m * D + d];
+      const float* kb = kd + b * K * D;
+      for (int64_t k = 0; k < K; ++k) keys[k] = kb + k * D;
+      group_scores(keys.data(), K, qt.data(), Mp, D, 0, V, s.data());
+      // each row's own keys against the vectors holding its lanes; its lanes kept in t
+      for (int64_t r = 0; r < R && Kr; ++r) {
+        const float* own = rkd + (b * R + r) * Kr * D;
+        for (int64_t j = 0; j < Kr; ++j) keys[j] = own + j * D;
+        const int64_t v_begin = r * H / kGroupLanes, v_end = ((r + 1) * H - 1) / kGroupLanes + 1;
+        group_scores(keys.data(), Kr, qt.data(), Mp, D, v_begin, v_end, part.data());
+        for (int64_t j = 0; j < Kr; ++j)
+          std::memcpy(t.data() + j * Mp + r * H, part.data() + j * Mp + r * H, H * sizeof(float));
+      }
+      // masked, scaled scores; each lane's top (its sink included); the exponentials and
+      // their sums (the sink's term has no value)
+      std::copy(lane_sink.begin(), lane_sink.end(), top.begin());
+      mask_scores(s.data(), K, Mp, vd + b * R * K, K, lane_row.data(), lane_bits.data(), R,
+                  fscale, top.data());
+      if (Kr)
+        mask_scores(t.data(), Kr, Mp, rvd + b * R * Kr, Kr, lane_row.data(), lane_bits.data(),
+                    R, fscale, top.data());
+      std::fill(inv.begin(), inv.end(), 0.0f);
+      exponentials(s.data(), K, Mp, top.data(), inv.data());
+      exponentials(t.data(), Kr, Mp, top.data(), inv.data());
+      for (int64_t m = 0; m < Mp; ++m) inv[m] = 1.0f / (inv[m] + std::exp(lane_sink[m] - top[m]));
+      // out = (e x keys) / sum, four lanes at a time
+      float* ob = od + b * M * D;
+#if defined(NARROW_AVX512)
+      for (int64_t m0 = 0; m0 < M; m0 += 4) {
+        for (int64_t d0 = 0; d0 < D; d0 += 4 * kGroupLanes) {
+          const int64_t nd = std::min<int64_t>(4 * kGroupLanes, D - d0);
+          const int64_t nv = (nd + kGroupLanes - 1) / kGroupLanes;
+          const int64_t last = nd - (nv - 1) * kGroupLanes;
+          const __mmask16 tail = static_cast<__mmask16>(last == 16 ? 0xFFFFu : (1u << last) - 1u);
+          const float* shared[4] = {kb + d0, kb + d0, kb + d0, kb + d0};
+          const float* own[4];
+          for (int i = 0; i < 4; ++i) {
+            const int64_t r = std::min(lane_row[m0 + i], R - 1);
+            own[i] = Kr ? rkd + (b * R + r) * Kr * D + d0 : nullptr;
+          }
+          auto run = [&](auto nv_tag) {
+            constexpr int NV = decltype(nv_tag)::value;
+            __m512 acc[4][NV];
+            for (int i = 0; i < 4; ++i)
+              for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_setzero_ps();
+            weighted_keys<NV>(s.data() + m0, Mp, shared, D, K, tail, acc);
+            if (Kr) weighted_keys<NV>(t.data() + m0, Mp, own, D, Kr, tail, acc);
+            for (int i = 0; i < 4 && m0 + i < M; ++i) {
+              const __m512 scale_i = _mm512_set1_ps(inv[m0 + i]);
+              for (int v = 0; v < NV; ++v) {
+                float* dst = ob + (m0 + i) * D + d0 + v * kGroupLanes;
+                const __m512 y = _mm512_mul_ps(acc[i][v], scale_i);
+                if (v + 1 < NV)
+                  _mm512_storeu_ps(dst, y);
+                else
+                  _mm512_mask_storeu_ps(dst, tail, y);
+              }
+            }
+          };
+          switch (nv) {
+            case 1: run(std::integral_constant<int, 1>{}); break;
+            case 2: run(std::integral_constant<int, 2>{}); break;
+            case 3: run(std::integral_constant<int, 3>{}); break;
+            default: run(std::integral_constant<int, 4>{}); break;
+          }
+        }
+      }
+#else
+      for (int64_t m = 0; m < M; ++m) {
+        float* dst = ob + m * D;
+        std::fill(dst, dst + D, 0.0f);
+        for (int64_t k = 0; k < K; ++k) {
+          const float w = s[k * Mp + m];
+          for (int64_t d = 0; d < D; ++d) dst[d] += w * kb[k * D + d];
+        }
+        const float* own = Kr ? rkd + (b * R + lane_row[m]) * Kr * D : nullptr;
+        for (int64_t j = 0; j < Kr; ++j) {
+          const float w = t[j * Mp + m];
+          for (int64_t d = 0; d < D; ++d) dst[d] += w * own[j * D + d];
+        }
+        for (int64_t d = 0; d < D; ++d) dst[d] *= inv[m];
+      }
+#endif
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(nextn_cpu, m) {
@@ -1133,6 +1457,9 @@ TORCH_LIBRARY(nextn_cpu, m) {
       "tile_attention(Tensor q, Tensor tile_rows, Tensor kv, Tensor valid, float scale, "
       "bool onednn) -> "
       "(Tensor, Tensor)");
+  m.def(
+      "group_attention(Tensor q, Tensor kv, Tensor valid, Tensor? row_kv, Tensor? row_valid, "
+      "Tensor sink, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(nextn_cpu, CPU, m) {
@@ -1147,6 +1474,7 @@ TORCH_LIBRARY_IMPL(nextn_cpu, CPU, m) {
   m.impl("dense_grouped_product", &dense_grouped_product);
   m.impl("merge_row_keys", &merge_row_keys);
   m.impl("tile_attention", &tile_attention);
+  m.impl("group_attention", &group_attention);
 }
 
 TORCH_LIBRARY_IMPL(nextn_cpu, CatchAll, m) { m.impl("tile_ready", &tile_ready); }
