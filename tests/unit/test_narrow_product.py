@@ -44,6 +44,18 @@ def test_one_weight_many_rows(rows, k):
     close(got, kernel.narrow_product_reference(x, weight))
 
 
+@pytest.mark.parametrize("k", [16, 40, 256])
+def test_a_row_gets_the_same_bits_whatever_rows_share_its_pass(k):
+    """A pass of several rows reduces its sums together (one shuffle tree for 8-16 of
+    them), a lone row one by one; both add the lanes in the same pairs, so a decode row and
+    the same row inside a verify's pass of 4 or 8 agree bit for bit."""
+    x, weight = operands(1, 17, k, 70, 1, seed=k)
+    together = kernel.narrow_product(x, weight)
+    for r in range(17):
+        alone = kernel.narrow_product(x[:, r : r + 1], weight)
+        assert torch.equal(alone[0, 0], together[0, r])
+
+
 @pytest.mark.parametrize("groups,rows", [(6, 1), (5, 3), (40, 1)])
 def test_groups_read_their_indexed_weight_shared_ones_together(groups, rows):
     """Routed experts: several groups (pairs) index the same weight, some none; an index of

@@ -117,6 +117,31 @@ inline float hsum(VecF v) {
 }
 #endif
 
+#if defined(NARROW_AVX512)
+// lane l of the result: the sum of src[l]'s 16 lanes (l < 16), for four shuffles and an
+// addition per pair of vectors instead of a reduction per vector. The lanes are added in
+// the pairs of _mm512_reduce_add_ps (i and i + 8, then i + 4, i + 2, i + 1), so every sum
+// has the bits `hsum` gives it. Inputs enter as v[4j + q] = src[4q + j], which the
+// quarter-wise steps below leave in lane 4q + j.
+inline __m512 reduce16(const __m512* src) {
+  auto v = [src](int i) { return src[4 * (i % 4) + i / 4]; };
+  __m512 a[8], b[4], c[2];
+  for (int i = 0; i < 8; ++i) {  // lanes i + 8 onto i: sources 2i, 2i + 1 in 256-bit halves
+    const __m512 x = v(2 * i), y = v(2 * i + 1);
+    a[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(3, 2, 3, 2)));
+  }
+  for (int i = 0; i < 4; ++i)  // i + 4 onto i: four sources in the 128-bit quarters
+    b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  for (int i = 0; i < 2; ++i)  // i + 2 onto i, within each quarter
+    c[i] = _mm512_add_ps(_mm512_unpacklo_ps(b[2 * i], b[2 * i + 1]),
+                         _mm512_unpackhi_ps(b[2 * i], b[2 * i + 1]));
+  return _mm512_add_ps(_mm512_shuffle_ps(c[0], c[1], _MM_SHUFFLE(1, 0, 1, 0)),  // i + 1 onto i
+                       _mm512_shuffle_ps(c[0], c[1], _MM_SHUFFLE(3, 2, 3, 2)));
+}
+#endif
+
 #if defined(NARROW_AVX512) || defined(NARROW_AVX2)
 // out rows `o[m]` (columns n0 .. n0 + Cols) for the `M` input rows `x[m]` (compile-time,
 // so the accumulators stay in registers) and the `Cols` weight rows from `w`. With
@@ -152,6 +177,17 @@ inline void block(const float* const* x, const uint16_t* w, int64_t K, float* co
       for (int c = 0; c < Cols; ++c) acc[m][c] = fma(wv[c], xv, acc[m][c]);
     }
   }
+#if defined(NARROW_AVX512)
+  if constexpr (M * Cols >= 8) {  // all sums in one reduction, the same bits as `hsum`
+    __m512 src[16];
+    for (int i = 0; i < 16; ++i) src[i] = i < M * Cols ? acc[i / Cols][i % Cols] : zero();
+    alignas(64) float sums[16];
+    _mm512_store_ps(sums, reduce16(src));
+    for (int m = 0; m < M; ++m)
+      for (int c = 0; c < Cols; ++c) o[m][n0 + c] = sums[m * Cols + c];
+    return;
+  }
+#endif
   for (int m = 0; m < M; ++m)
     for (int c = 0; c < Cols; ++c) o[m][n0 + c] = hsum(acc[m][c]);
 }
