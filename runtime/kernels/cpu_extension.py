@@ -59,16 +59,17 @@ def available() -> bool:
     return _state["available"]
 
 
+def serves(x: torch.Tensor) -> bool:
+    """Whether a kernel here may compute on `x` instead of its torch form, eagerly or inside
+    a compiled step: the kernels are loaded, `x` is on CPU and no grad is wanted (the
+    kernels have no backward)."""
+    return _state["available"] and x.device.type == "cpu" and not torch.is_grad_enabled()
+
+
 def serves_eagerly(x: torch.Tensor) -> bool:
-    """Whether a kernel here may compute on `x` instead of its torch form: the kernels are
-    loaded, `x` is on CPU, the call is eager (compiled steps keep the torch forms, which the
-    compiler fuses) and without grad (the kernels have no backward)."""
-    return (
-        _state["available"]
-        and x.device.type == "cpu"
-        and not torch.is_grad_enabled()
-        and not compiling()
-    )
+    """`serves`, and the call is eager: for kernels whose compiled steps keep the torch
+    forms, which the compiler fuses."""
+    return serves(x) and not compiling()
 
 
 def tiles_granted() -> bool:

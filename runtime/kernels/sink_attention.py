@@ -302,9 +302,7 @@ def grouped_sink_attention(
 
 def _kernel_serves(q: torch.Tensor, kv: torch.Tensor, row_kv: torch.Tensor | None) -> bool:
     return (
-        cpu_extension.available()
-        and q.device.type == "cpu"
-        and not torch.is_grad_enabled()
+        cpu_extension.serves(q)
         and q.dtype == kv.dtype == torch.float32
         and (row_kv is None or row_kv.dtype == torch.float32)
     )
