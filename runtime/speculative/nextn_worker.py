@@ -112,7 +112,13 @@ class UndraftedRows:
     following: list[int] = field(default_factory=list)
 
     def append(self, hidden: torch.Tensor, token: int, reach: int | None) -> None:
-        self.extend(hidden.unsqueeze(0), [token], reach)
+        """One row `[D]` followed by `token` (a plain decode step's: called per request and
+        step, so without `extend`'s tensor round trip)."""
+        self.hidden.append(hidden)
+        self.following.append(token)
+        if reach is not None and len(self.following) > reach:
+            del self.hidden[0], self.following[0]
+            self.start += 1
 
     def extend(
         self, hidden: torch.Tensor, tokens: list[int], reach: int | None, skipped: int = 0
@@ -290,7 +296,9 @@ class NextNWorker:
         reach = self.drafter.runner.model.kv_reach
         hidden = hidden[: len(reqs)].clone().unbind(0)
         for req, output, row in zip(reqs, outputs, hidden):
-            kept = self.undrafted.setdefault(req.rid, UndraftedRows(req, req.seq_len - 1))
+            kept = self.undrafted.get(req.rid)
+            if kept is None:
+                kept = self.undrafted[req.rid] = UndraftedRows(req, req.seq_len - 1)
             kept.append(row, output.tokens[0], reach)
         return outputs
 
@@ -384,7 +392,7 @@ class NextNWorker:
         """Which chunks leave their rows to the draft's catch-up (`UndraftedRows`) instead
         of a draft pass now. While the next decode step is expected to run without
         speculation (the policy's choice for this step's decode batch plus the requests
-        whose prompts complete here), a pass now may be wasted: a request that
+        of its chunks), a pass now may be wasted: a request that
         finishes before speculation resumes needs no draft pass (its newest `kv_reach`
         rows go with the state the prefix cache keeps). A chunk of a request with rows
         kept already defers too (a request resumed from a state the draft owes rows,
@@ -395,7 +403,10 @@ class NextNWorker:
             return [False] * len(chunks)  # nothing skipped, nothing to skip
         if self.drafter.runner.model.kv_reach is None:
             return [False] * len(chunks)
-        off = not self.speculates([*decoding, *(c.req for c in chunks if c.completes)])
+        # the batch these prompts decode in: the running one plus every chunk's request (a
+        # request whose prompt does not complete here still joins it within a few steps; a
+        # step of partial chunks alone would otherwise ask about an empty batch)
+        off = not self.speculates([*decoding, *(c.req for c in chunks)])
         return [off or c.req.rid in self.undrafted for c in chunks]
 
     def _verify(self, reqs: Sequence[Req], fresh: dict[str, list[int]]) -> list[TokenOutput]:

@@ -194,14 +194,16 @@ def test_a_step_drafts_some_prompt_chunks_and_defers_others(checkpoint, monkeypa
     assert all(proposals[key][0] == uninterrupted[key][0] for key in common)
 
 
+@pytest.mark.parametrize("chunk", [None, 3])
 def test_requests_that_never_speculate_cost_no_draft_pass_without_a_prefix_cache(
-    checkpoint, greedy_reference
+    checkpoint, greedy_reference, chunk
 ):
     """Speculation off for every step and no prefix cache to keep a draft state for: the
     prompts' draft passes are deferred to a catch-up that never comes, so the draft never
-    runs, and the output is plain decoding's."""
+    runs, and the output is plain decoding's. In chunks of 3 tokens the first steps carry
+    only partial prompts (nothing decoding, nothing completing): those defer too."""
     prompts, reference = greedy_reference
-    engine = nextn_of(checkpoint, limit=1, disable_radix_cache=True)
+    engine = nextn_of(checkpoint, limit=1, disable_radix_cache=True, chunked_prefill_size=chunk)
     if engine.worker.drafter.runner.model.kv_reach is None:
         pytest.skip("a draft that reads every row drafts each prompt at once")
     proposals = record_proposals(engine)
