@@ -116,9 +116,7 @@ class UndraftedRows:
         step, so without `extend`'s tensor round trip)."""
         self.hidden.append(hidden)
         self.following.append(token)
-        if reach is not None and len(self.following) > reach:
-            del self.hidden[0], self.following[0]
-            self.start += 1
+        self._keep_newest(reach)
 
     def extend(
         self, hidden: torch.Tensor, tokens: list[int], reach: int | None, skipped: int = 0
@@ -130,6 +128,10 @@ class UndraftedRows:
             self.hidden, self.following = [], []
         self.hidden.extend(hidden.unbind(0))
         self.following.extend(tokens)
+        self._keep_newest(reach)
+
+    def _keep_newest(self, reach: int | None) -> None:
+        """Only the newest `reach` rows stay (all of them when `reach` is None)."""
         if reach is not None and len(self.following) > reach:
             drop = len(self.following) - reach
             del self.hidden[:drop], self.following[:drop]
