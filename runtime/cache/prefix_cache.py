@@ -174,13 +174,15 @@ class RadixPrefixCache(PrefixCache):
         snapshot_slots: int,
         snapshot_interval: int = 0,
         min_shared_prefix: int = MIN_SHARED_PREFIX,
+        owed_capacity: int | None = None,
     ):
         """`runners`: the target's and the draft's (their pools must have allocated
-        `snapshot_slots` snapshots); every change to their caches goes through `pool_call`."""
+        `snapshot_slots` snapshots); every change to their caches goes through `pool_call`.
+        `owed_capacity`: the most rows an MTP draft may owe a snapshot (`StateSnapshots`)."""
         super().__init__(slot_table)
         alignments = (runner.kv_pool.share_alignment() for runner in runners)
         unit = math.lcm(slot_table.page_size, *alignments)
-        self.snapshots = StateSnapshots(runners, snapshot_slots)
+        self.snapshots = StateSnapshots(runners, snapshot_slots, owed_capacity)
         self.tree = RadixCache(unit, slot_table.allocator, self.snapshots)
         self.snapshot_interval, self.min_shared_prefix = snapshot_interval, min_shared_prefix
         self._locks: dict[int, RadixNode] = {}  # request slot -> the node its prefix ends at
@@ -214,8 +216,9 @@ class RadixPrefixCache(PrefixCache):
         if match.snapshot is not None:
             self._resume(idx, match)
         self._admitted(req, idx, match.length)
-        if match.snapshot is not None:
-            req.owed_draft_rows = match.snapshot.owed_draft_rows
+        owed = match.snapshot.owed_draft_rows if match.snapshot is not None else None
+        if owed is not None:
+            req.owed_draft_rows = owed.copy()  # the snapshot's slot may be reused meanwhile
         return Admission.ADMITTED
 
     def _resume(self, idx: int, match: PrefixMatch) -> None:
@@ -326,6 +329,8 @@ class RadixPrefixCache(PrefixCache):
         if not finishing:
             self.snapshots.copy_pages(tail_src, tail_pages)
         self.snapshots.save(idx, slot, verify_row)
+        if owed is not None:
+            owed = self.snapshots.keep_owed(slot, owed)
         self.tree.add_snapshot(node, tail, slot, tail_pages, owed)
         return tail_pages if finishing else []
 

@@ -46,6 +46,10 @@ class OwedDraftRows:
     hidden: torch.Tensor  # [n, D]
     following: tuple[int, ...]
 
+    def copy(self) -> OwedDraftRows:
+        """Rows of its own (a snapshot's are a view of a buffer the slot's next state reuses)."""
+        return OwedDraftRows(self.start, self.hidden.clone(), self.following)
+
 
 @dataclass
 class FinishReason:

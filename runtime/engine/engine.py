@@ -170,6 +170,8 @@ class Engine:
             runners,
             snapshot_slots=self.config.radix_snapshot_slots,
             snapshot_interval=self.config.radix_snapshot_interval,
+            # a window-only draft owes a state at most its window of rows
+            owed_capacity=self.worker.drafter.runner.model.kv_reach if self.spec_config else None,
         )
 
     def _info(self) -> EngineInfo:

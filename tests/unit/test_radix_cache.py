@@ -13,6 +13,7 @@ from runtime.cache.pool_geometry import PoolGeometry
 from runtime.cache.qwen4_exp_pool import Qwen4ExpCacheLayout, Qwen4ExpKVPool
 from runtime.cache.radix_cache import RadixCache
 from runtime.cache.state_snapshots import RequestStateSnapshots, StateSnapshots
+from runtime.core.request import OwedDraftRows
 
 
 class OneRowPool(RequestStateSnapshots):
@@ -218,6 +219,37 @@ def test_snapshots_round_trip_exactly_the_per_request_rows(make):
     snapshot = [v.clone() for v in pool.request_state(2)]
     store.restore(slot, 1)
     assert all(torch.equal(a, b) for a, b in zip(snapshot, pool.request_state(2)))
+
+
+def test_owed_rows_live_in_one_buffer_allocated_once_and_come_back_exactly():
+    """The rows a draft owes each snapshot are copied into that slot's rows of one buffer
+    (allocated at the first, counted in `nbytes`); a later snapshot in the same slot
+    overwrites them, so a resuming request takes a copy; rows the buffer cannot hold stay
+    as they came."""
+    pool = OneRowPool()
+    pool.allocate_snapshots(3)
+    store = StateSnapshots([LocalRunner(pool)], num_slots=3, owed_capacity=4)
+    before = store.nbytes()
+    owed = [OwedDraftRows(10 + i, torch.randn(i + 2, 6), tuple(range(i + 2))) for i in range(3)]
+    kept = [store.keep_owed(slot, rows) for slot, rows in enumerate(owed)]
+    assert store.nbytes() == before + 3 * 4 * 6 * 4
+    storages = {k.hidden.untyped_storage().data_ptr() for k in kept}
+    assert len(storages) == 1 and all(
+        k.hidden.data_ptr() != o.hidden.data_ptr() for k, o in zip(kept, owed)
+    )
+    for k, o in zip(kept, owed):
+        assert (k.start, k.following) == (o.start, o.following)
+        assert torch.equal(k.hidden, o.hidden)
+    resumed = kept[1].copy()
+    store.keep_owed(1, OwedDraftRows(0, torch.zeros(3, 6), (0, 0, 0)))  # the slot's next state
+    assert torch.equal(resumed.hidden, owed[1].hidden)
+    assert not torch.equal(kept[1].hidden, owed[1].hidden)
+    too_many = OwedDraftRows(0, torch.randn(5, 6), tuple(range(5)))
+    other_width = OwedDraftRows(0, torch.randn(2, 7), (1, 2))
+    assert store.keep_owed(0, too_many) is too_many
+    assert store.keep_owed(0, other_width) is other_width
+    no_buffer = StateSnapshots([LocalRunner(pool)], num_slots=3)
+    assert no_buffer.keep_owed(0, owed[0]) is owed[0] and no_buffer.nbytes() == before
 
 
 def test_qwen_snapshot_of_a_verify_row_takes_that_rows_recurrent_state():
