@@ -189,10 +189,12 @@ class NextNWorker:
         """Verify writes up to `seq_len - 1 + S`, draft steps up to `seq_len + 2S - 2`."""
         return 2 * self.spec.num_steps
 
-    def speculates(self, reqs: Sequence[Req]) -> bool:
+    def speculates(self, reqs: Sequence[Req], beside_prompts: bool = False) -> bool:
         """Whether a decode step over `reqs` runs verify rounds (a measured policy weighs
-        their own acceptance so far)."""
-        return self.policy.speculates(len(reqs), [round_history(r) for r in reqs])
+        their own acceptance so far; `beside_prompts`: the step carries prompt chunks too,
+        which a measured policy decides by compute alone)."""
+        history = [round_history(r) for r in reqs]
+        return self.policy.speculates(len(reqs), history, beside_prompts=beside_prompts)
 
     def step(
         self, prefill: Sequence[Chunk], decode: Sequence[Req]
@@ -201,7 +203,7 @@ class NextNWorker:
         decode_out, speculated, caught_up = [], False, False
         counters = (self.stats.verify_rounds, self.stats.emitted_tokens)
         if decode:
-            speculated = self.speculates(decode)
+            speculated = self.speculates(decode, beside_prompts=bool(prefill))
             if speculated:
                 fresh = self._catch_up(decode)
                 caught_up = bool(fresh)
@@ -408,7 +410,7 @@ class NextNWorker:
         # the batch these prompts decode in: the running one plus every chunk's request (a
         # request whose prompt does not complete here still joins it within a few steps; a
         # step of partial chunks alone would otherwise ask about an empty batch)
-        off = not self.speculates([*decoding, *(c.req for c in chunks)])
+        off = not self.speculates([*decoding, *(c.req for c in chunks)], beside_prompts=True)
         return [off or c.req.rid in self.undrafted for c in chunks]
 
     def _verify(self, reqs: Sequence[Req], fresh: dict[str, list[int]]) -> list[TokenOutput]:

@@ -67,7 +67,9 @@ class FixedLimit:
     def __init__(self, limit: int | None):
         self.limit = limit
 
-    def speculates(self, batch_size: int, history: Sequence[tuple[int, int]] = ()) -> bool:
+    def speculates(
+        self, batch_size: int, history: Sequence[tuple[int, int]] = (), beside_prompts=False
+    ) -> bool:
         return self.limit is None or batch_size < self.limit
 
     def reset(self) -> None:
@@ -226,18 +228,37 @@ class MeasuredSpeculation:
         accept = self.accept_length if costs.accept_length is None else costs.accept_length
         return accept * plain_s >= (1 + margin) * round_s
 
-    def speculates(self, batch_size: int, history: Sequence[tuple[int, int]] = ()) -> bool:
+    def speculates(
+        self, batch_size: int, history: Sequence[tuple[int, int]] = (), beside_prompts=False
+    ) -> bool:
         """Whether a decode step of `batch_size` requests runs a verify round; `history`:
         each request's `(rounds, tokens)` so far (`batch_accept_length`; empty: the
-        traffic's accept length stands for the batch's)."""
+        traffic's accept length stands for the batch's). `beside_prompts`: the step also
+        carries prompt chunks (`compute_pays`)."""
         costs = self.buckets.get(self.bucket_of(batch_size))
         if costs is None:
             return True  # nothing measured here yet
         costs.accept_length = self.batch_accept_length(history) if history else None
+        if beside_prompts and costs.calibrated is not None and self.request_rounds >= self.warmup:
+            return self.compute_pays(costs)
         if costs.probe_left:
             return costs.probe_speculates
         costs.speculating = self.speculation_pays(costs)
         return costs.speculating
+
+    def compute_pays(self, costs: BucketCosts) -> bool:
+        """Whether rounds pay by the bucket's calibrated step times alone, for decode rows
+        beside prompt chunks: the traffic's times are of decode-only steps, where a
+        server's per-step work (streaming, scheduling: ~10 ms a step here) makes a plain
+        step dear and a round, paying it once for several tokens, cheap; beside a chunk's
+        extend that work is paid once for the step either way, and what a round costs
+        more is its compute (at 64 requests here a round was 52 ms against a 17 ms plain
+        step, for 3.1 tokens, while the traffic's decode-only steps put them at 65 and 27
+        ms). The same margin, and the hysteresis where the bucket decodes plainly now."""
+        round_s, plain_s = costs.calibrated
+        margin = self.margin + (self.hysteresis if costs.speculating is False else 0.0)
+        accept = self.accept_length if costs.accept_length is None else costs.accept_length
+        return accept * plain_s >= (1 + margin) * round_s
 
     def record(self, batch_size: int, speculated: bool, seconds: float, *, settled=True) -> None:
         """One decode step's time. `settled`: every captured step it ran was its own bucket's
@@ -308,7 +329,9 @@ class StepTimer:
         self.bucket_of, self.speculate = bucket_of, speculate
         self.seconds: dict[int, list[float]] = {}
 
-    def speculates(self, batch_size: int, history: Sequence[tuple[int, int]] = ()) -> bool:
+    def speculates(
+        self, batch_size: int, history: Sequence[tuple[int, int]] = (), beside_prompts=False
+    ) -> bool:
         return self.speculate
 
     def record(self, batch_size: int, speculated: bool, seconds: float, *, settled=True) -> None:

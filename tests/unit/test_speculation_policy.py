@@ -247,6 +247,27 @@ def test_a_calibrated_bucket_chooses_from_the_first_accept_length_and_probes_a_p
     assert drive(policy, 1, 12, round_s=0.010, plain_s=0.005, accept=3.0) == [True] * 12
 
 
+def test_decode_rows_beside_prompt_chunks_speculate_by_the_calibrated_compute_alone():
+    """Decode-only steps under load: plain 27 ms, rounds 65 ms for 3.1 tokens, so rounds
+    pay (3.1 x 27 >= 1.15 x 65). Their calibrated compute: plain 16 ms, rounds 52 ms, so
+    beside a prompt chunk (whose step pays the per-step work either way) they do not
+    (3.1 x 16 < 1.15 x 52). Without a calibration, or before `warmup` request-rounds, a
+    step beside prompts decides as a decode-only one."""
+    policy = MeasuredSpeculation(bucket_for, warmup=8, probe=2, period=1000)
+    policy.calibrate(16, [0.052] * 4, [0.016] * 4)
+    assert policy.speculates(16, beside_prompts=True)  # no acceptance known yet
+    policy.record_accept(16, 3.1)
+    drive(policy, 16, 6, round_s=0.065, plain_s=0.027, accept=3.1)
+    assert policy.speculates(16)
+    assert not policy.speculates(16, beside_prompts=True)
+    assert policy.speculates(16)  # the decode-only choice is left as it was
+    uncalibrated = MeasuredSpeculation(bucket_for, warmup=1, probe=2, period=1000)
+    uncalibrated.record_accept(16, 3.1)
+    drive(uncalibrated, 16, 6, round_s=0.065, plain_s=0.027, accept=3.1)
+    assert uncalibrated.speculates(16, beside_prompts=True) == uncalibrated.speculates(16)
+    assert all(FixedLimit(8).speculates(n, beside_prompts=True) == (n < 8) for n in (4, 16))
+
+
 def test_a_mode_the_traffic_has_not_timed_costs_its_calibration_plus_the_others_extra():
     """Calibrated: rounds of 40 ms, plain steps of 12 ms, so with 3 tokens a round plain
     steps win. Under load the plain steps take 24 ms: once a probe's worth of them (3) is
