@@ -43,7 +43,9 @@ the model, the dtype and the drafts' acceptance, so the default (`auto`) measure
   instead of learning each bucket's costs under load. Until the traffic has timed both
   modes (`probe` steps each), a mode it has not timed costs its calibrated time plus what
   the traffic's steps of the other mode take beyond theirs (a server's streaming and
-  scheduling add about the same time to a step in either mode).
+  scheduling add about the same time to a step in either mode). The decode rows of a step
+  that also carries prompt chunks choose by the calibrated times alone (`compute_pays`):
+  that per-step work is paid once for such a step whichever mode its decode rows run in.
 
 Either way the output is unchanged: a request's tokens are those of plain decoding whichever
 mode each of its steps ran in (`NextNWorker` catches the draft up when speculation resumes).
