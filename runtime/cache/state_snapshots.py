@@ -86,9 +86,11 @@ class StateSnapshots:
         self._owed_rows: torch.Tensor | None = None  # [num_slots, owed_capacity, *row]
 
     def nbytes(self) -> int:
+        return sum(r.kv_pool.snapshot_nbytes() for r in self.runners) + self._owed_nbytes()
+
+    def _owed_nbytes(self) -> int:
         owed = self._owed_rows
-        owed_bytes = 0 if owed is None else owed.numel() * owed.element_size()
-        return sum(r.kv_pool.snapshot_nbytes() for r in self.runners) + owed_bytes
+        return 0 if owed is None else owed.numel() * owed.element_size()
 
     def available(self) -> int:
         return len(self._free)
@@ -139,7 +141,7 @@ class StateSnapshots:
                 "(%.1f MiB)",
                 self.num_slots,
                 self.owed_capacity,
-                self._owed_rows.numel() * self._owed_rows.element_size() / 2**20,
+                self._owed_nbytes() / 2**20,
             )
         store = self._owed_rows
         fits = (store.shape[2:], store.dtype, store.device) == (

@@ -226,6 +226,11 @@ class MeasuredSpeculation:
             return True
         if self.request_rounds < self.warmup:
             return True
+        return self._rounds_win(costs, round_s, plain_s)
+
+    def _rounds_win(self, costs: BucketCosts, round_s: float, plain_s: float) -> bool:
+        """`accept x plain_s >= (1 + margin) x round_s`, with the hysteresis added to the
+        margin where the bucket decodes plainly now."""
         margin = self.margin + (self.hysteresis if costs.speculating is False else 0.0)
         accept = self.accept_length if costs.accept_length is None else costs.accept_length
         return accept * plain_s >= (1 + margin) * round_s
@@ -257,10 +262,7 @@ class MeasuredSpeculation:
         more is its compute (at 64 requests here a round was 52 ms against a 17 ms plain
         step, for 3.1 tokens, while the traffic's decode-only steps put them at 65 and 27
         ms). The same margin, and the hysteresis where the bucket decodes plainly now."""
-        round_s, plain_s = costs.calibrated
-        margin = self.margin + (self.hysteresis if costs.speculating is False else 0.0)
-        accept = self.accept_length if costs.accept_length is None else costs.accept_length
-        return accept * plain_s >= (1 + margin) * round_s
+        return self._rounds_win(costs, *costs.calibrated)
 
     def record(self, batch_size: int, speculated: bool, seconds: float, *, settled=True) -> None:
         """One decode step's time. `settled`: every captured step it ran was its own bucket's
