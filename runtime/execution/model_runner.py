@@ -27,6 +27,7 @@ from runtime.configs.model_config import ModelConfig
 from runtime.core.forward_context import ForwardContext
 from runtime.core.forward_mode import CaptureHiddenMode, ForwardMode
 from runtime.core.model_output import LogitsProcessorOutput
+from runtime.kernels import cpu_extension
 
 logger = logging.getLogger(__name__)
 
@@ -108,6 +109,11 @@ class ModelRunner:
             self.graph_runner = GraphRunner(self, capture, slot_table.req_pool.max_reqs)
             if self.graph_runner.capturable:
                 logger.info("%s", self.graph_runner.describe())
+        compiles = self.graph_runner is not None and self.graph_runner.capturable
+        if torch.device(device).type == "cpu" and not compiles:
+            # a graph runner loads the C++ kernels before its first compile; without one the
+            # eager steps still use them (here prefill 1.6x and decode 1.5x torch's forms)
+            cpu_extension.load((capture or CaptureConfig()).resolved_cache_dir())
 
     def compile_fingerprint(self) -> dict:
         """What a captured step calling this runner can bake in (`step_store.fingerprint`):

@@ -17,7 +17,9 @@ torch ops the same way):
 
 `load` builds the extension with `torch.utils.cpp_extension` (about 20 s once per machine,
 then loaded from its build directory) and registers the fakes; the graph runner calls it
-in its compile worker before a CPU step's first trace. Where it cannot be built (no
+in its compile worker before a CPU step's first trace, and a CPU model runner that
+captures nothing (`--disable-cuda-graph`) when it is built, so eager steps use the kernels
+as well. Where it cannot be built (no
 compiler, no ninja) every caller keeps its other path (`available()` is False);
 `NEXTN_DISABLE_CPU_KERNELS=1` leaves it unbuilt.
 """
