@@ -62,9 +62,9 @@ def test_equals_the_fp32_product_up_to_the_order_of_its_sums(shape, k, n, bias):
     assert got.shape == expected.shape == (*shape, n) and got.dtype == torch.float32
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-4)
     # as accurate as an fp32 GEMM, measured against float64: within a few times the default
-    # GEMM's error, or within the random-walk scale of k fp32 roundings (sqrt(k) eps |x||w|),
-    # since the default's own error can be lucky on a few outputs. A product done in bf16 or
-    # tf32 misses both by orders of magnitude.
+    # GEMM's error plus the random-walk scale of k fp32 roundings (sqrt(k) eps |x||w|), since
+    # the default's own max error can be lucky over a few outputs. A product done in bf16 or
+    # tf32 misses that bound by orders of magnitude.
     exact = float64_product(x, weight, b)
     err, reference_err = (got - exact).abs().max(), (expected - exact).abs().max()
     rounding_scale = k**0.5 * torch.finfo(torch.float32).eps * (x.abs() @ weight.abs().T).max()
