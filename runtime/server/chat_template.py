@@ -142,11 +142,15 @@ def render_chat(tokenizer, messages: list[dict], kwargs: dict | None) -> str:
     `chat_template_kwargs` when it renders without them."""
     if not getattr(tokenizer, "chat_template", None):
         raise ChatTemplateError("this model's tokenizer has no chat template; use /v1/completions")
-    template = tokenizer.get_chat_template()
+    try:
+        template = tokenizer.get_chat_template()
+    except ValueError as err:  # named templates without a default one
+        raise ChatTemplateError(f"this model's chat template cannot be chosen: {err}") from None
     kwargs = check_template_kwargs(kwargs, tokenizer, template)
-    error = _try_render(tokenizer, messages, kwargs)
-    if isinstance(error, str):
-        return error
+    rendered = _try_render(tokenizer, messages, kwargs)
+    if isinstance(rendered, str):
+        return rendered
+    error = rendered
     text = str(error) if isinstance(error, TemplateError) else f"{type(error).__name__}: {error}"
     param = _culprit(tokenizer, messages, kwargs, str(error))
     raise ChatTemplateError(f"the chat template refused the request: {text}", param=param)
