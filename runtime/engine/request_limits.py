@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 from runtime.core.errors import InvalidRequestError
 
+MAX_RID_CHARS = 256  # a request id is a key in logs and tables, not a payload
+
 
 def longest_token_chars(tokenizer) -> int:
     """Characters in the longest entry of the tokenizer's vocabulary (added tokens too)."""
@@ -95,4 +97,9 @@ class RequestLimits:
             return
         if not isinstance(rid, str) or not rid:
             raise InvalidRequestError(f"'rid' must be a non-empty string, got {rid!r}", param="rid")
+        if len(rid) > MAX_RID_CHARS:
+            raise InvalidRequestError(
+                f"'rid' has {len(rid)} characters; at most {MAX_RID_CHARS} are allowed",
+                param="rid",
+            )
         check_unicode(rid, "rid")

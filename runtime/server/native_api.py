@@ -83,6 +83,17 @@ def _per_prompt(value, count: int, name: str, kind: type) -> list:
     return [value] * count
 
 
+def prompt_rids(rid, count: int) -> list[str | None]:
+    """The client's request id of each of `count` prompts (SGLang's `rid`): one id, or
+    one per prompt for a batch; `Engine.make_requests` checks each and names the choices
+    of an `n > 1` prompt `<rid>-<k>`."""
+    if isinstance(rid, str) and count > 1:
+        raise InvalidRequestError(
+            "'rid' must be a list with one id per prompt for a batch", param="rid"
+        )
+    return _per_prompt(rid, count, "rid", str)
+
+
 def _token_ids_logprob(value, count: int) -> list:
     """SGLang's `token_ids_logprob`: one id list shared by every prompt, or one per prompt."""
     _expect(value, list, "token_ids_logprob")
@@ -100,11 +111,7 @@ def parse_generate(body, engine: Engine) -> GenerateCall:
     prompts, batched = _prompts(body, engine)
     count = len(prompts)
     params = _per_prompt(body.get("sampling_params"), count, "sampling_params", dict)
-    rids = _per_prompt(body.get("rid"), count, "rid", str)
-    if isinstance(body.get("rid"), str) and count > 1:
-        raise InvalidRequestError(
-            "'rid' must be a list with one id per prompt for a batch", param="rid"
-        )
+    rids = prompt_rids(body.get("rid"), count)
     stream = bool(_expect(body.get("stream", False), bool, "stream"))
     per_prompt = zip(
         _per_prompt(body.get("return_logprob"), count, "return_logprob", bool),

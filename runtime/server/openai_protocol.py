@@ -18,14 +18,15 @@ import re
 from collections.abc import Callable
 from typing import Any, ClassVar, Literal, TypeVar
 
-from jinja2.exceptions import TemplateError
 from pydantic import BaseModel, ConfigDict, Field
 
 from runtime.core.errors import InvalidRequestError
 from runtime.core.request import Req
 from runtime.core.sampling_params import SamplingParams
 from runtime.engine.engine import Engine
+from runtime.server.chat_template import ChatTemplateError, render_chat
 from runtime.server.generate_fields import is_unset
+from runtime.server.native_api import prompt_rids
 
 logger = logging.getLogger(__name__)
 
@@ -123,9 +124,11 @@ class _RequestFields(BaseModel):
     regex: str | None = None
     json_schema: str | None = None
     ebnf: str | None = None
+    # SGLang's request id (one per prompt): checked by `native_api.prompt_rids` as
+    # /generate checks it, so a wrong type is a 400 naming `rid`
+    rid: Any = None
     # hints: they cannot change a result
     user: str | None = None
-    rid: str | list[str] | None = None
     session_id: str | None = None
     extra_key: str | list[str] | None = None
     cache_salt: str | list[str] | None = None
@@ -361,7 +364,7 @@ class openai_names:  # noqa: N801 - used as a context manager, like contextlib's
         return self
 
     def __exit__(self, kind, error, tb):
-        if not isinstance(error, InvalidRequestError):
+        if not isinstance(error, InvalidRequestError) or isinstance(error, ChatTemplateError):
             return False
         message = _OPENAI_NAME_PATTERN.sub(lambda m: self.names[m.group(1)], str(error))
         param = self.names.get(error.param, error.param)
@@ -430,11 +433,13 @@ def completion_requests(body: CompletionRequest, engine: Engine) -> list[Req]:
     if body.logprobs is not None and body.logprobs < 0:
         raise InvalidRequestError(f"logprobs must be >= 0, got {body.logprobs}", param="logprobs")
     reqs = []
-    for ids in completion_prompts(body, engine):
+    prompts = completion_prompts(body, engine)
+    for ids, rid in zip(prompts, prompt_rids(body.rid, len(prompts))):
         params = body.sampling_params(_max_tokens(body.max_tokens, len(ids), engine))
         reqs += engine.make_requests(
             ids,
             params,
+            rid=rid,
             return_logprob=body.logprobs is not None,
             top_logprobs_num=body.logprobs or 0,
             logprob_start_len=0 if body.echo and body.logprobs is not None else -1,
@@ -464,16 +469,12 @@ def _message_text(message: ChatMessage, index: int) -> str:
 
 
 def chat_prompt_ids(body: ChatCompletionRequest, engine: Engine) -> list[int]:
-    """The messages through the tokenizer's chat template (transformers'
-    `apply_chat_template`), ending with the assistant's turn."""
+    """The messages through the tokenizer's chat template with the client's checked
+    `chat_template_kwargs` (`chat_template.render_chat`), ending with the assistant's turn."""
     tokenizer = engine.tokenizer
     if tokenizer is None:
         raise InvalidRequestError(
             "this server has no tokenizer, so it cannot apply a chat template"
-        )
-    if not getattr(tokenizer, "chat_template", None):
-        raise InvalidRequestError(
-            "this model's tokenizer has no chat template; use /v1/completions"
         )
     messages = [
         {**m.model_dump(exclude_none=True), "content": _message_text(m, i)}
@@ -481,17 +482,7 @@ def chat_prompt_ids(body: ChatCompletionRequest, engine: Engine) -> list[int]:
     ]
     for message in messages:  # the templated text is checked again before tokenizing
         engine.limits.check_text(message["content"], "messages")
-    try:
-        text = tokenizer.apply_chat_template(
-            messages,
-            tokenize=False,
-            add_generation_prompt=True,
-            **(body.chat_template_kwargs or {}),
-        )
-    except TemplateError as err:  # e.g. a role the template does not know
-        raise InvalidRequestError(
-            f"the chat template refused the messages: {err}", param="messages"
-        ) from None
+    text = render_chat(tokenizer, messages, body.chat_template_kwargs)
     return engine.tokenize(text, "messages", add_special_tokens=False)
 
 
@@ -506,5 +497,9 @@ def chat_requests(body: ChatCompletionRequest, engine: Engine) -> list[Req]:
         raise InvalidRequestError("top_logprobs needs logprobs: true", param="top_logprobs")
     params = body.sampling_params(_max_tokens(requested, len(ids), engine))
     return engine.make_requests(
-        ids, params, return_logprob=bool(body.logprobs), top_logprobs_num=top
+        ids,
+        params,
+        rid=prompt_rids(body.rid, 1)[0],
+        return_logprob=bool(body.logprobs),
+        top_logprobs_num=top,
     )
