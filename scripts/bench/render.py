@@ -1,8 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Render `docs/benchmarks.md` from the result files in `docs/benchmark_results/`.
+"""Render `docs/benchmarks.md`, and the small standing table in `README.md`, from the result
+files in `docs/benchmark_results/`.
 
-    python -m scripts.bench.render            # rewrite docs/benchmarks.md
-    python -m scripts.bench.render --check    # exit 1 if it is not what the files render
+    python -m scripts.bench.render            # rewrite both
+    python -m scripts.bench.render --check    # exit 1 if either is not what the files render
 
 The page has one standing table per device kind (GPU model, else CPU model with its core
 count and ISA flags): for every figure, the newest run that measured it on that device,
@@ -29,6 +30,37 @@ ISA_NAMES = {
     "amx_bf16": "AMX-BF16",
 }
 BENCHMARK_ORDER = ("bench_one_batch", "bench_offline_throughput", "bench_serving")
+README = "README.md"
+README_BEGIN = "<!-- standing:begin (rendered by python -m scripts.bench.render) -->"
+README_END = "<!-- standing:end -->"
+# The README's small table: (row label, benchmark, figure name)
+HEADLINES = (
+    (
+        "NEXTN / plain decode tok/s, batch 1",
+        "bench_one_batch",
+        "NEXTN / plain decode tok/s, batch 1",
+    ),
+    (
+        "NEXTN / plain decode tok/s, batch 16",
+        "bench_one_batch",
+        "NEXTN / plain decode tok/s, batch 16",
+    ),
+    (
+        "plain / HF `generate` decode tok/s, batch 1",
+        "bench_one_batch",
+        "plain / HF decode tok/s, batch 1",
+    ),
+    (
+        "offline, 64 prompts: plain / HF (best batch) output tok/s",
+        "bench_offline_throughput",
+        "plain / HF (best batch) output tok/s",
+    ),
+    (
+        "serving at request rate inf: NEXTN / plain output tok/s",
+        "bench_serving",
+        "NEXTN / plain output tok/s",
+    ),
+)
 
 HEADER = """\
 # Benchmarks
@@ -72,7 +104,12 @@ def device_label(machine: dict) -> str:
 
 
 def format_value(value, unit: str) -> str:
+    """`value` as recorded, ratios, throughputs and plain numbers with at least two
+    decimals (JSON keeps 1.70 as 1.7), then its unit."""
     text = f"{value:,}" if isinstance(value, (int, float)) else str(value)
+    if isinstance(value, float) and unit in ("x", "tok/s", ""):
+        decimals = len(text.partition(".")[2])
+        text = f"{value:,.{max(2, decimals)}f}"
     if unit == "x":
         return f"{text}x"
     return f"{text} {unit}" if unit else text
@@ -132,17 +169,49 @@ def run_entry(stem: str, doc: dict, link_dir: str) -> list[str]:
     return lines
 
 
+def devices_newest_first(runs: list[tuple[str, dict]]) -> list[tuple[str, list]]:
+    """(device label, its runs), the device with the newest run first."""
+    devices: dict[str, list[tuple[str, dict]]] = {}
+    for stem, doc in runs:
+        devices.setdefault(device_label(doc["machine"]), []).append((stem, doc))
+    return sorted(
+        devices.items(), key=lambda kv: (max(_order(r) for r in kv[1]), kv[0]), reverse=True
+    )
+
+
+def readme_table(runs: list[tuple[str, dict]]) -> str:
+    """The README's standing: the headline figures (rows) on each device (columns), each the
+    newest run's, linking to docs/benchmarks.md."""
+    columns = []
+    for label, device_runs in devices_newest_first(runs):
+        newest = {(bench, fig["name"]): fig for bench, fig, _ in standing_rows(device_runs)}
+        cells = [newest.get((bench, name)) for _, bench, name in HEADLINES]
+        if any(cells):
+            columns.append((label, cells))
+    lines = [
+        "| figure | " + " | ".join(label for label, _ in columns) + " |",
+        "|---|" + "---:|" * len(columns),
+    ]
+    for i, (row, _, _) in enumerate(HEADLINES):
+        values = [
+            "-" if cells[i] is None else format_value(cells[i]["value"], cells[i].get("unit", ""))
+            for _, cells in columns
+        ]
+        lines.append(f"| {row} | " + " | ".join(values) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def with_readme_table(readme: str, table: str) -> str:
+    """`readme` with the text between its standing markers replaced by `table`."""
+    start, end = readme.index(README_BEGIN), readme.index(README_END)
+    return readme[: start + len(README_BEGIN)] + "\n" + table + readme[end:]
+
+
 def render(runs: list[tuple[str, dict]], link_dir: str = "benchmark_results") -> str:
     """The whole page for `runs` ((stem, document) pairs); `link_dir` is the results
     directory relative to the page."""
     lines = [HEADER, "## Standing", ""]
-    devices: dict[str, list[tuple[str, dict]]] = {}
-    for stem, doc in runs:
-        devices.setdefault(device_label(doc["machine"]), []).append((stem, doc))
-    # the device with the newest run first
-    for label, device_runs in sorted(
-        devices.items(), key=lambda kv: (max(_order(r) for r in kv[1]), kv[0]), reverse=True
-    ):
+    for label, device_runs in devices_newest_first(runs):
         lines += [f"### {label}", "", "| benchmark | figure | value | run |", "|---|---|---:|---|"]
         for bench, fig, stem in standing_rows(device_runs):
             value = format_value(fig["value"], fig.get("unit", ""))
@@ -165,16 +234,24 @@ def main(argv: list[str] | None = None) -> int:
         "--check", action="store_true", help="exit 1 if --output differs from the rendering"
     )
     args = p.parse_args(argv)
-    output = REPO_ROOT / args.output
+    output, readme = REPO_ROOT / args.output, REPO_ROOT / README
     link_dir = os.path.relpath(REPO_ROOT / args.results_dir, output.parent)
-    text = render(load_results(REPO_ROOT / args.results_dir), Path(link_dir).as_posix())
+    runs = load_results(REPO_ROOT / args.results_dir)
+    pages = {
+        output: render(runs, Path(link_dir).as_posix()),
+        readme: with_readme_table(readme.read_text(), readme_table(runs)),
+    }
     if args.check:
-        if not output.is_file() or output.read_text() != text:
-            print(f"{args.output} is stale: run python -m scripts.bench.render", file=sys.stderr)
-            return 1
-        return 0
-    output.write_text(text)
-    print(f"rendered {args.output} from {args.results_dir}")
+        stale = [p for p, text in pages.items() if not p.is_file() or p.read_text() != text]
+        for path in stale:
+            print(
+                f"{path.relative_to(REPO_ROOT)} is stale: run python -m scripts.bench.render",
+                file=sys.stderr,
+            )
+        return 1 if stale else 0
+    for path, text in pages.items():
+        path.write_text(text)
+    print(f"rendered {args.output} and the standing in {README} from {args.results_dir}")
     return 0
 
 
