@@ -87,8 +87,7 @@ class EngineConfig:
         f"{SPECULATIVE_MAX_RUNNING_REQUESTS} with speculative decoding)",
     )
     # SGLang's smallest automatic size; on a CPU, smaller chunks pay their per-step work
-    # (metadata, window gathers, many small operators) more often: the README's offline
-    # run took 17.4 s with 512-token chunks against 12.8 s with 2,048
+    # (metadata, window gathers, many small operators) more often
     chunked_prefill_size: int | None = setting(2048, "prefill tokens per step (-1: no chunking)")
     context_length: int | None = setting(
         None, "prompt + output tokens per request (default: the model's max positions)"
