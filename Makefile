@@ -6,7 +6,7 @@
 #   make serve   # serve the embedded default model with NEXTN on 127.0.0.1:30000
 #   make test    # the fast tests (the README's test command)
 #   make lint    # ruff check + format check
-#   make bench   # the README's benchmark tables (scripts/run_benchmarks.sh)
+#   make bench   # the benchmarks of docs/benchmarks.md, then render it (scripts/run_benchmarks.sh)
 
 PYTHON ?= python
 SERVE_ARGS ?=

@@ -36,6 +36,7 @@ from scripts.bench.report import (
     run_config,
     throughput_summary,
 )
+from scripts.bench.results import command_line, new_result, offline_figures, write_result
 from scripts.bench.variants import (
     Variant,
     accept_length_between,
@@ -59,6 +60,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     flags.add_cache_args(p)
     flags.add_capture_args(p)
     p.add_argument("--result-filename", help="append one JSONL record per run")
+    flags.add_results_dir_arg(p)
     flags.add_hf_baseline_arg(p)
     p.add_argument(
         "--hf-batch-sizes",
@@ -218,8 +220,8 @@ def main(argv: list[str] | None = None) -> dict:
         f"model: {model_path}, dtype: {args.dtype}, torch threads: {threads}, "
         f"variants: {', '.join(v.label for v in variants)}"
     )
-    results, dataset = run_variants(args, variants)
-    for variant, result in results:
+    measured, dataset = run_variants(args, variants)
+    for variant, result in measured:
         append_jsonl(args.result_filename, {**config, **result, "variant": variant.label})
     hf = None
     if args.hf_baseline:
@@ -228,10 +230,24 @@ def main(argv: list[str] | None = None) -> dict:
         )
         print_offline_result(hf)
         append_jsonl(args.result_filename, {**config, **hf, "variant": "HF"})
-    print_offline_ratios([(v.label, r) for v, r in results], hf)
+    labelled = [(v.label, r) for v, r in measured]
+    print_offline_ratios(labelled, hf)
+    if args.results_dir:
+        records = [{**config, **r, "variant": label} for label, r in labelled]
+        records += [{**config, **hf, "variant": "HF"}] if hf is not None else []
+        write_result(
+            args.results_dir,
+            new_result(
+                "bench_offline_throughput",
+                command_line("bench_offline_throughput", argv),
+                offline_figures(labelled, hf),
+                records,
+                device=args.device,
+            ),
+        )
     if args.plot:
-        plot_offline(args.plot, [(v.num_steps, r) for v, r in results])
-    return {"results": [r for _, r in results], "hf": hf, "dataset": dataset}
+        plot_offline(args.plot, [(v.num_steps, r) for v, r in measured])
+    return {"results": [r for _, r in measured], "hf": hf, "dataset": dataset}
 
 
 if __name__ == "__main__":

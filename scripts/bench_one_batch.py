@@ -40,6 +40,7 @@ from scripts.bench.report import (
     progress,
     run_config,
 )
+from scripts.bench.results import command_line, new_result, one_batch_figures, write_result
 from scripts.bench.variants import (
     Variant,
     accept_length_between,
@@ -77,6 +78,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     flags.add_repeats_arg(p, "setting")
     p.add_argument("--run-name", default="default", help="tag stored in the JSONL records")
     p.add_argument("--result-filename", help="append one JSONL record per row")
+    flags.add_results_dir_arg(p)
     flags.add_hf_baseline_arg(p)
     p.add_argument(
         "--profile-overhead",
@@ -287,6 +289,22 @@ def main(argv: list[str] | None = None) -> dict:
         append_jsonl(
             args.result_filename,
             {**config, **{k: v for k, v in record.items() if k != "output_ids"}},
+        )
+    if args.results_dir:
+        labels = [v.label for v in variants]
+        records = [
+            {**config, **{k: v for k, v in r.items() if k != "output_ids"}}
+            for r in rows + hf_rows + overhead
+        ]
+        write_result(
+            args.results_dir,
+            new_result(
+                "bench_one_batch",
+                command_line("bench_one_batch", argv),
+                one_batch_figures(rows, hf_rows, labels),
+                records,
+                device=args.device,
+            ),
         )
     if args.plot:
         plot_one_batch(args.plot, rows)

@@ -59,6 +59,7 @@ from scripts.bench.report import (
     print_serving_result,
     serving_metrics,
 )
+from scripts.bench.results import command_line, new_result, serving_figures, write_result
 from scripts.bench.serving_client import (
     BACKENDS,
     check_reachable,
@@ -107,6 +108,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--warmup-requests", type=int, default=1)
     p.add_argument("--output-file", help="append one JSONL record per run")
+    flags.add_results_dir_arg(p)
     p.add_argument(
         "--launch-server",
         action="store_true",
@@ -306,6 +308,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             base_url = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
             check_reachable(base_url)
             records.append(benchmark(args, base_url, None))
+            save_result(args, argv, records, [records[0]["variant"]])
             return records
         if args.repeats == 1:
             for variant in variants:
@@ -318,7 +321,24 @@ def main(argv: list[str] | None = None) -> list[dict]:
         raise SystemExit(1) from None
     print_serving_ratios(records, [v.label for v in variants])
     print_cache_ratios(records, [v.label for v in variants])
+    save_result(args, argv, records, [v.label for v in variants])
     return records
+
+
+def save_result(args, argv: list[str] | None, records: list[dict], labels: list[str]) -> None:
+    """The run's result file (`--results-dir`); the machine is this one, where the client
+    ran, which is the server's own with --launch-server."""
+    if args.results_dir:
+        write_result(
+            args.results_dir,
+            new_result(
+                "bench_serving",
+                command_line("bench_serving", argv),
+                serving_figures(records, labels),
+                records,
+                device=args.device,
+            ),
+        )
 
 
 if __name__ == "__main__":

@@ -21,8 +21,7 @@ Mamba states at tree nodes.
   default model, megabytes for a full-size one) would be memory outside every budget,
   and freeing such copies by the hundred at each eviction or `/flush_cache` scatters
   holes through the host heap that the next prefill's activations fault in afresh (a
-  server that decoded without speculation grew by ~70 MiB a batch of 64 prompts and ran
-  4% slower than plain decoding).
+  server's memory grew batch after batch and its prefill slowed).
 """
 
 from __future__ import annotations

@@ -4,19 +4,14 @@
 A bf16 checkpoint is served in bf16 only where the CPU multiplies bf16 natively (AMX tiles
 or AVX512-BF16) and a short probe confirms it: a batch-1 and a prefill-sized product in the
 checkpoint's dtype against float32. Elsewhere bf16 matmuls go through conversions and run
-several times slower than float32 (the README measures 3.6x on prefill on an AVX2 CPU), so
-float32 it is. Decided once per process and logged with the reason.
+several times slower than float32, so float32 it is. Decided once per process and logged
+with the reason.
 
-The batch-1 product must win by more than its halved bytes (`DECODE_BYTES_RATIO`). A
-float32 engine serving a bf16 checkpoint does not read fp32 weights in its captured decode
-steps: their few-row products read bf16 copies of the weights and widen them in registers
-(`runtime.layers.narrow_weights`), so they move the bytes a bf16 product moves. A probe that
-timed a bf16 product against a plain fp32 one would credit bf16 with a saving the float32
-engine already has. On a 2-core AMD EPYC with AVX512-BF16 (no AMX) the old probe picked
-bf16 (its batch-1 product about level with fp32's, its 256-row one 4.4x faster), and the
-default model then decoded a batch of one at 3.16 ms a step in bf16 against 1.83 in fp32,
-a batch of 16 at 7.54 against 7.68, and prefilled 16 x 128 tokens in 261 against 296 ms
-(`scripts/bench_one_batch`, captured steps, one thread).
+The batch-1 product must win by more than its halved bytes (`DECODE_BYTES_RATIO`): a
+float32 engine serving a bf16 checkpoint already reads bf16 copies of the weights in its
+captured decode steps (`runtime.layers.narrow_weights`), so a probe against a plain fp32
+product would credit bf16 with a saving the float32 engine already has (the measurement
+that showed it: docs/benchmark_history.md).
 """
 
 from __future__ import annotations

@@ -52,6 +52,18 @@ def _known_dtype(dtype) -> bool:
     return True
 
 
+def _help_text(f: dataclasses.Field) -> str | None:
+    """A field's help for `--help`, ending in its default unless the text already says what
+    the default is (a default that depends on other flags) or there is none to show."""
+    text = f.metadata.get("help")
+    if text is None:
+        return None
+    text = text.replace("%", "%%")  # argparse formats help with %-style placeholders
+    if "default" in text.lower() or f.default is None or f.default is False:
+        return text
+    return text + " (default: %(default)s)"
+
+
 def setting(default, help: str, *aliases: str):
     """A dataclass field that also describes its command-line flag."""
     return field(default=default, metadata={"help": help, "aliases": aliases})
@@ -75,8 +87,7 @@ class EngineConfig:
         f"{SPECULATIVE_MAX_RUNNING_REQUESTS} with speculative decoding)",
     )
     # SGLang's smallest automatic size; on a CPU, smaller chunks pay their per-step work
-    # (metadata, window gathers, many small operators) more often: the README's offline
-    # run took 17.4 s with 512-token chunks against 12.8 s with 2,048
+    # (metadata, window gathers, many small operators) more often
     chunked_prefill_size: int | None = setting(2048, "prefill tokens per step (-1: no chunking)")
     context_length: int | None = setting(
         None, "prompt + output tokens per request (default: the model's max positions)"
@@ -315,7 +326,7 @@ class EngineConfig:
             flags = ["--" + f.name.replace("_", "-"), *f.metadata.get("aliases", ())]
             kind = [t for t in typing.get_args(hints[f.name]) if t is not type(None)]
             kind = kind[0] if kind else hints[f.name]
-            options = dict(dest=f.name, default=f.default, help=f.metadata.get("help"))
+            options = dict(dest=f.name, default=f.default, help=_help_text(f))
             if typing.get_origin(kind) is list:
                 parser.add_argument(*flags, nargs="+", type=typing.get_args(kind)[0], **options)
             elif kind is bool:

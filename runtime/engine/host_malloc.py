@@ -5,9 +5,8 @@ An eager prefill step allocates and frees megabytes of activations per layer. gl
 an allocation above its mmap threshold (128 KiB, raised as large blocks are freed) with a
 fresh `mmap` whose pages fault in on first touch and are unmapped again on `free`, and it
 hands the heap's free top back to the OS past a trim threshold. So the same pages are
-faulted in again and again: a 2,048-token prefill of the default model spends several
-percent of its time there, and single products of a few megabytes took up to 15x their
-usual time when their output landed on fresh pages.
+faulted in again and again, and a product whose output lands on fresh pages takes many
+times its usual time.
 
 PyTorch's CPU launcher (`torch.backends.xeon.run_cpu`) preloads jemalloc or tcmalloc
 configured never to return memory, and the SGLang and vLLM CPU guides ask for tcmalloc in

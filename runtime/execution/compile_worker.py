@@ -32,8 +32,7 @@ from typing import Generic, TypeVar
 logger = logging.getLogger(__name__)
 
 # Compiles run at this much lower priority than serving: on a machine with few cores the
-# compile thread otherwise takes half of the serving thread's core (batch-1 decoding beside
-# a cold compile, one core: 161-165 tok/s with it against 76-84 without, 210-214 idle).
+# compile thread otherwise takes half of the serving thread's core.
 COMPILE_NICENESS = 10
 EXIT_WAIT_S = 60.0  # how long an exiting process waits for an interrupted compile to end
 EXIT_NOTICE_S = 1.0  # after this, the wait is logged

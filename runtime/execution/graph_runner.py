@@ -63,8 +63,8 @@ logger = logging.getLogger(__name__)
 
 CAPTURED_MODES = (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND)
 ENTRY_MULTIPLE = 16  # compressed-entry counts are padded to this (CPU: a dynamic dim anyway)
-# The C++ wrapper calls the step's kernels without a Python interpreter between them
-# (default model, batch 1: 7.6 against 8.5 ms of CPU per step; it compiles ~2x longer).
+# The C++ wrapper calls the step's kernels without a Python interpreter between them (less
+# CPU per step; it compiles longer).
 CPU_INDUCTOR_OPTIONS = {"cpp_wrapper": True}
 _compile_lock = threading.Lock()
 SKIP_GUARDS = os.environ.get("NEXTN_CHECK_GUARDS") is None

@@ -112,7 +112,7 @@ class ModelRunner:
         compiles = self.graph_runner is not None and self.graph_runner.capturable
         if torch.device(device).type == "cpu" and not compiles:
             # a graph runner loads the C++ kernels before its first compile; without one the
-            # eager steps still use them (here prefill 1.6x and decode 1.5x torch's forms)
+            # eager steps still use them (faster than torch's forms in prefill and decode)
             cpu_extension.load((capture or CaptureConfig()).resolved_cache_dir())
 
     def compile_fingerprint(self) -> dict:

@@ -2,13 +2,11 @@
 """Captured steps kept on disk whole, so that a second start loads them instead of tracing.
 
 Inductor's FX graph and AOT autograd caches spare a second start the compile of a step, not
-dynamo's trace of it: a cached load of one step took 12-19 s on a 2-core CPU, more than half
-of it tracing. torch's AOT precompile (`torch.compile(fn, fullgraph=True).aot_compile(...)`
-with `save_compiled_function` and `torch.compiler.load_compiled_function`, experimental in
-torch 2.13) saves the traced and compiled step as
-one artifact. On the default model (fp32, one thread) a cached step loaded in 0.1-2.5 s
-instead of 12-19 s, and a batch-1 decode call took 2.29 instead of 2.52 ms (median of 600
-calls each, alternating): the call skips dynamo's frame evaluation.
+dynamo's trace of it, which was more than half of a cached load. torch's AOT precompile
+(`torch.compile(fn, fullgraph=True).aot_compile(...)` with `save_compiled_function` and
+`torch.compiler.load_compiled_function`, experimental in torch 2.13) saves the traced and
+compiled step as one artifact, which loads in seconds, and its calls skip dynamo's frame
+evaluation.
 
 What an artifact holds and what it does not:
 - the step's bytecode, its compiled graph and inductor's kernels (a few MB);
@@ -141,7 +139,7 @@ def _platform_description() -> str:
 
 
 def prepare() -> None:
-    """Do once what a process's first load of a step would (about 3 s of CPU here): import
+    """Do once what a process's first load of a step would (seconds of CPU): import
     the compiler's runtime and compute the process-wide parts of a fingerprint (probing the
     CPU's vector ISA builds a test program). A background thread runs it at start-up, so a
     first load under traffic does not pay for it at the thread's low priority."""

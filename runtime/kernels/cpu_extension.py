@@ -50,7 +50,7 @@ ISA_FLAGS = {
 }
 # torch's builder waits for as long as a build directory's `lock` file exists; one left by
 # a process killed mid-build would stall every later start, so a lock older than this
-# (a build takes about 20 s here) is taken as stale and removed
+# (many times a build's time) is taken as stale and removed
 STALE_LOCK_SECONDS = 300.0
 _lock = threading.Lock()
 _state: dict[str, bool] = {"tried": False, "available": False, "tiles": False}

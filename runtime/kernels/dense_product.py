@@ -4,33 +4,17 @@
 `x [..., K]` fp32 times `weight [N, K]` fp32 (linear layout) plus an optional bias ->
 `[..., N]`, the same product as `F.linear` with its sums in another order.
 
-Why. PyTorch's CPU build multiplies fp32 matrices with MKL, whose kernels pick their
-instruction set by CPU vendor: on an AMD CPU with AVX-512 they ran at about 105 GFLOP/s,
-the rate of AVX2 code, half the core's AVX-512 rate. oneDNN (in the same build,
-`torch.ops.mkldnn`) picks by the CPU's features. On a 2-core AMD EPYC machine (AVX-512, one
-thread, weights taken in turn from 8 MB of them, so from memory as in a step) oneDNN took
-0.55 against 1.21 ms for `[1,024, 256] x [256, 256]` (a prefill chunk), 0.69 against 1.54
-ms for a verify's 64 rows through the 4,096-row LM head, 0.25 against 0.47 ms for 16 rows
-through it, and 48 against 80 us for 64 rows through a 256 x 256 projection. Small products
-lose: 16 rows through that projection were level, 8 rows slower (20 against 15 us); the
-gain grows with the rows times the outputs, hence `DENSE_MIN_ROWS` and `DENSE_MIN_OUTPUTS`
-(below them a captured step's few rows take the narrow-weight paths anyway). inductor calls
-the same operator only for weights frozen into the graph, and a captured step reads its
-weights as inputs, so the project's C++ extension exposes it as `nextn_cpu::dense_product`
-(an opaque node with a fake implementation, called by inductor's C++ wrapper through the
-dispatcher).
-
-oneDNN builds a primitive per shape (its cache holds 1,024), which costs more than the
-product itself for a shape met the first time; the C++ operator therefore multiplies the
-rows rounded up to a short ladder (zero rows appended, their results dropped), so that
-prefill chunks and routed-expert groups of any size reuse a few shapes per weight.
-
-Whether to use it is decided once per process by a short probe (`choose`, when the
-extension loads, before any step is traced): both libraries multiply a verify-sized and a
-prefill-sized product, and oneDNN is used only where it is faster on both by
-`REQUIRED_SPEED_UP` (on CPUs where MKL runs its AVX-512 kernels the two are close, and
-the default stays). The choice is logged. `NEXTN_CPU_GEMM=onednn` or `=default` decides
-without a probe. The reference defines correctness.
+Why: PyTorch's CPU build multiplies fp32 with MKL, which picks its instruction set by CPU
+vendor (AVX2 code on AMD CPUs with AVX-512); oneDNN, in the same build, picks by the CPU's
+features. The gain grows with rows times outputs, hence `DENSE_MIN_ROWS` and
+`DENSE_MIN_OUTPUTS`. inductor calls oneDNN only for weights frozen into the graph, so the
+C++ extension exposes it as `nextn_cpu::dense_product` (an opaque node with a fake
+implementation), multiplying the rows rounded up to a short ladder so that a few oneDNN
+primitives per weight serve every size. Whether to use it is decided once per process by a
+probe (`choose`, before any step is traced): oneDNN only where it beats the default by
+`REQUIRED_SPEED_UP` on a verify-sized and a prefill-sized product; logged;
+`NEXTN_CPU_GEMM=onednn` or `=default` decides without a probe. The reference defines
+correctness. Measurements: docs/captured_decode.md section 3, docs/benchmark_history.md.
 """
 
 from __future__ import annotations
@@ -50,9 +34,8 @@ CHOICE_ENV = "NEXTN_CPU_GEMM"  # onednn | default | unset: probe
 # rows, and this many outputs (rows x output features)
 DENSE_MIN_ROWS = 16
 DENSE_MIN_OUTPUTS = 16 * 512
-# grouped products (routed experts, rows sorted by expert) of fewer rows keep theirs: at
-# 256 pairs over 8 experts oneDNN group by group was 1.25x faster than `grouped_mm`, at
-# 4,096 2.2x (one thread, the default model's expert shapes)
+# grouped products (routed experts, rows sorted by expert) of fewer rows keep theirs, where
+# oneDNN group by group stops beating `grouped_mm` (docs/benchmark_history.md)
 DENSE_MIN_GROUPED_ROWS = 256
 PROBE_SHAPES = ((64, 256, 1024), (512, 512, 512))  # rows, inner, outer
 PROBE_REPEATS = 7

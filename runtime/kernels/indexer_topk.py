@@ -48,8 +48,8 @@ def indexer_topk(
     scores: torch.Tensor, lengths: torch.Tensor, visible: torch.Tensor, k: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The op (see the module docstring). Captured on CPU with the C++ kernels loaded it is
-    their `nextn_cpu::indexer_topk`, the same ATen calls without Python (about 60 us less a
-    call, three calls a step of the default model); otherwise the Python custom op."""
+    their `nextn_cpu::indexer_topk`, the same ATen calls without a Python callback from the
+    compiled step; otherwise the Python custom op."""
     if scores.device.type == "cpu" and in_capture() and cpu_extension.available():
         return torch.ops.nextn_cpu.indexer_topk(scores, lengths, visible, k)
     return indexer_topk_op(scores, lengths, visible, k)

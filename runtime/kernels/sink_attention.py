@@ -152,10 +152,8 @@ def tile_keys_attention(
     PyTorch's fused flash-attention kernel (`aten::_scaled_dot_product_flash_attention_for_cpu`),
     each tile one batch entry, its rows the queries of each head, the latent both key and
     value broadcast over the heads (a stride-0 view, no copy). That kernel multiplies head
-    by head (`[R, D] x [D, K]` per head and tile): on a 2-core AMD EPYC (AVX-512, one
-    thread) it ran the default model's 2,048-row chunk (64 tiles of 32 rows, 8 heads of 64,
-    159 keys) at about 30 GFLOP/s, 13.7 against 7.0 ms per layer for the kernel, whose
-    folded `[256, 64] x [64, 159]` GEMMs run at about 150 (oneDNN)."""
+    by head (`[R, D] x [D, K]` per head and tile), small products; the C++ kernel folds the
+    heads into one larger GEMM per tile (docs/captured_decode.md section 7)."""
     tile_rows, row_slot, tile_kv, tile_valid = keys.rows, keys.row_slot, keys.kv, keys.valid
     num_tiles, tile_len = tile_rows.shape
     heads, dim = q.shape[1:]
@@ -289,9 +287,8 @@ def grouped_sink_attention(
     On CPU with the C++ kernels loaded, fp32 and no grad wanted, eagerly and in captured
     steps alike: `nextn_cpu::group_attention`, one pass per group with the scores, the
     softmax and the output in the core's cache, every query's sums in one order whatever
-    the batch and rows per group (on a 2-core AMD EPYC, one thread, a batch-16 verify of the
-    default model: 96 against 323 us per layer for the batched products below, compiled or
-    not; 68 against 108 us for a decode step's). Otherwise `grouped_sink_attention_bmm`.
+    the batch and rows per group (docs/captured_decode.md section 3). Otherwise
+    `grouped_sink_attention_bmm`.
     """
     if _kernel_serves(q, kv, row_kv):
         return torch.ops.nextn_cpu.group_attention(

@@ -19,10 +19,9 @@ ends), and the result is a constant anyway (the softmax of one logit is 1).
 
 Eagerly on CPU with the project's C++ kernels loaded, `nextn_cpu::sinkhorn`
 (`csrc/nextn_cpu.cpp`) runs the same steps on blocks of 16 matrices laid out matrix-last in
-a small buffer: one call instead of ~80 operators, about 4x faster than the torch path at a
-prefill's 2,048 rows. Its sums and divisions are the reference's, in the same order; its softmax's
-exponential is the C library's, so it agrees with the reference to within an ulp or so
-of each entry, not bit for bit.
+a small buffer: one call instead of ~80 operators. Its sums and divisions are the
+reference's, in the same order; its softmax's exponential is the C library's, so it agrees
+with the reference to within an ulp or so of each entry, not bit for bit.
 """
 
 from __future__ import annotations

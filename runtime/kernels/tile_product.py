@@ -5,10 +5,8 @@
 served in fp32; `narrow_weights` keeps such a weight's bf16 copy) -> `[M, N]` fp32.
 
 Why. A prefill chunk's products are fp32 GEMMs of thousands of rows, compute-bound on a
-CPU core: about a quarter of the default model's prefill. CPUs with AMX multiply bf16 tiles
-several times faster than AVX-512 multiplies fp32 (PyTorch's bf16 product of
-`[2,048, 256] x [256, 256]` takes 0.28 ms against 1.5 ms in fp32 on the 2-core machine), but
-rounding the rows to bf16 would change the model's numbers. So each row is split, by
+CPU core. CPUs with AMX multiply bf16 tiles several times faster than AVX-512 multiplies
+fp32, but rounding the rows to bf16 would change the model's numbers. So each row is split, by
 truncation, into three bf16 parts, `x = hi + mid + lo` exactly (8 significant bits each of
 fp32's 24), and every part is multiplied by the bf16 weight: a product of two bf16 values
 is exact in fp32 and the tiles sum in fp32, so the result differs from an fp32 product

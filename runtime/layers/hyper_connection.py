@@ -105,8 +105,7 @@ def hc_post(
         return expand_streams(block_out, residual, post, comb)
     if compiling():
         # the 4 x 4 mix as products and a sum the compiler fuses with the addition: a batched
-        # product of `hc x hc` matrices is a library call per use, which took half as long
-        # again as the fused loop (compiled, 64 rows: 37 against 25 us, one thread)
+        # product of `hc x hc` matrices is a library call per use, slower than the fused loop
         mixed = (comb.to(dtype).unsqueeze(-1) * residual.unsqueeze(2)).sum(1)
         return post.to(dtype).unsqueeze(-1) * block_out.unsqueeze(1) + mixed
     mixed = torch.bmm(comb.to(dtype).transpose(1, 2), residual)

@@ -1,64 +1,19 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Narrow copies of wide weights for captured steps on CPU.
+"""Narrow (bf16) copies of wide (fp32) weights, read by captured steps on CPU.
 
-A decode, verify or draft step of a few rows is bound by the bytes of weights it reads,
-not by arithmetic. A bf16 checkpoint served with `--dtype float32` (the fast dtype of a CPU
-without native bf16 products) holds fp32 weights whose values are all exactly
-representable in bf16. For such a tensor a bf16 copy holds the same numbers in half the
-bytes: inside a captured step the products read the copy and widen it as they load
-(`weight_for_product`, `linear_product`). The products then multiply exactly the fp32
-values, so only the order of the sums can move results, by rounding, while the weights'
-memory traffic halves. Eager forwards (prefill) keep using the wide tensor, so they pay no
-conversion.
-
-Where the widening lands decides whether a copy pays. A product the compiler writes itself
-widens as it loads, so no fp32 copy of the weight ever exists: the routed experts' gathered
-product, and a linear layer's or LM head's product over at most `FUSED_MAX_ROWS` rows
-(`linear_product`), which a captured step computes as a reduction over the input dim
-(`widening_product`) instead of calling an external GEMM. Products over up to
-`KERNEL_MAX_ROWS` rows, and the routed experts of small steps, go through the narrow-weight
-kernel (`runtime.kernels.narrow_product`) where it is loaded: it widens in registers too,
-and reads each weight once for all its rows, where the compiler's reduction reads it once
-per row (a batch-1 verify of four rows took 3.0 ms against 4.1 with GEMMs; its micro-
-benchmark is in docs/captured_decode.md section 3). A larger product is an external
-GEMM, for which the compiler first widens the whole copy into an fp32 temporary: that pays
-while the temporary stays in the core's cache (the weight leaves memory as 2 bytes an
-element), and costs more than the wide weight once it does not (2 bytes read, 4 written, 4
-read again, every call). So such a GEMM reads a copy only up to `narrow_max_numel` elements,
-`WIDENED_MAX_NUMEL` unless the module sets it (None: no limit, for modules whose products
-always widen inside their own kernel, as the routed experts do), and the wide weight above
-it: the default model's LM head (4096 x 256, a 4 MB temporary written four times a NEXTN
-round) measured 4.05 and 3.01 ms per NEXTN token with its copy widened before the GEMM
-against 2.83 and 2.74 ms reading the fp32 head (two one-off in-process A/Bs;
-docs/captured_decode.md section 3), and plain decoding unchanged.
-
-Why a reduction for few rows: a GEMM library's kernel for one to four rows still reads
-the fp32 weight once per call and does little work per byte, so it runs at the core's
-memory rate; the compiler's reduction reads half the bytes and keeps each weight row in the
-core's first-level cache while it serves every input row. On a 2-core AVX-512 machine
-(compiled micro-benchmark, one thread, eight weights in turn so they come from the shared
-cache) a 256 x 256 product took 9.9 against 26.8 us at one row and 19.6 against 32.7 us at
-four, the 4096 x 256 LM head 90 against 177 us at one row and 236 against 335 at four; at
-eight rows the GEMM was level or ahead. Inside a whole step four rows lost nonetheless: with
-the limit at four, a batch-1 NEXTN round (its verify has four rows) took 7.6 ms by the
-median round of README's `bench_one_batch` command, against 6.4 ms in that command's run a
-day before the change, as the compiler fused those products into neighbouring kernels that
-then ran slower, while single-row steps gained (a plain step 2.6 against 3.4 ms in the same
-two runs). Hence the reduction's limit of one row (batch-1 decode steps and draft steps),
-and the kernel for two rows and more.
-
-A tensor gets a copy only when the copy is lossless (every value round-trips), so an fp32
-checkpoint, or weights a loader dequantised to values bf16 cannot hold, keep the wide path.
-The copies cost half the wide weights' memory again.
-
-On a CPU with AMX tiles a module that lists a weight in `tile_weight_names` also keeps it
-packed for the tile kernel (`runtime.kernels.tile_product`, a buffer `<name>_tiles`, the
-same bytes as the bf16 copy again), and a product of at least `TILE_MIN_ROWS` rows (a
-prefill chunk eagerly; a captured step of larger batches, where the operator is one opaque
-node) multiplies on the tiles: the rows split into three bf16 parts, every product exact,
-fp32 sums, so again only the order of the sums differs from the fp32 product, at a
-fraction of its time (0.67 against 1.84 ms for `[2,048, 256] x [256, 256]`, 0.012 against
-0.044 ms at 16 rows, one thread) and reading the weight's bf16 bytes.
+A bf16 checkpoint served in fp32 holds fp32 weights whose values bf16 holds exactly, and a
+step of a few rows is bound by the bytes of weights it reads. So every such tensor whose
+values round-trip gets a bf16 copy (`<name>_narrow`), and inside a captured step the products
+read the copy and widen it as they load: they multiply exactly the fp32 values, so only the
+order of the sums moves results, by rounding. Eager forwards keep the wide tensors. A
+product's path depends on its rows (`linear_product`): up to `FUSED_MAX_ROWS` a reduction the
+compiler fuses (`widening_product`), up to `KERNEL_MAX_ROWS` the narrow-weight kernel
+(`runtime.kernels.narrow_product`), above that an external GEMM, which reads a copy only up
+to `narrow_max_numel` elements (it widens the whole copy into a temporary first); on CPUs
+with AMX, products of at least `TILE_MIN_ROWS` rows run on the tiles
+(`runtime.kernels.tile_product`, weights in `tile_weight_names`). The copies cost half the
+wide weights' memory again. Why these limits: docs/captured_decode.md section 3; the
+measurements: docs/benchmark_history.md.
 """
 
 from __future__ import annotations
@@ -91,8 +46,8 @@ FUSED_MAX_ROWS = 1
 KERNEL_MAX_ROWS = 8
 TILE_SUFFIX = "_tiles"
 # products over at least this many rows multiply on AMX tiles where the module keeps its
-# weight packed (one thread: 2-3x faster than the fp32 GEMM from 16 rows on; up to
-# `KERNEL_MAX_ROWS` the narrow-weight kernel reads the copy once for all rows)
+# weight packed (from here on the tiles beat the fp32 GEMM; up to `KERNEL_MAX_ROWS` the
+# narrow-weight kernel reads the copy once for all rows)
 TILE_MIN_ROWS = 16
 
 
@@ -153,8 +108,8 @@ def widening_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     `x` is first stored as it is (`as_strided` onto its own layout, which the compiler can
     only lower onto a stored buffer). Otherwise the compiler inlines the pointwise work
     that made `x` (a norm's scaling, rotary embedding, a concatenation) into the loads of
-    this loop, which redoes it for every one of the `N` outputs: in a NEXTN round that took
-    a step's attention epilogue from a fraction of a millisecond to 1.5 ms."""
+    this loop, which redoes it for every one of the `N` outputs (docs/captured_decode.md
+    section 3)."""
     x = x.as_strided(x.shape, x.stride())
     wide = weight.to(x.dtype).unsqueeze(-2)  # [..., N, 1, K]
     return (wide * x.unsqueeze(-3)).sum(-1).transpose(-1, -2)

@@ -125,8 +125,7 @@ class RotaryEmbedding(nn.Module):
         In fp32/fp64 each pair `(x1, x2)` is one complex number and the rotation one
         complex product by `cos + i sin`, as DeepSeek's reference `apply_rotary_emb` writes
         it: `x1 cos - x2 sin, x2 cos + x1 sin` in one contiguous pass instead of six strided
-        ones (about 5x faster on CPU for prefill-sized `[T, heads, 64]` queries, 5% of a
-        prefill of the default model). The complex kernel may fuse a product into its sum,
+        ones. The complex kernel may fuse a product into its sum,
         so a value can differ from the real form's by an ulp."""
         rd = self.rotary_dim
         out = x.clone(memory_format=torch.contiguous_format)

@@ -350,7 +350,7 @@ class NextNWorker:
         order (None where `propose` is False). A pass takes a captured step that is ready
         or runs eagerly, and queues no compile: its rows per request are the plain steps
         it missed, a count no warm-up meets, each a step of its own (compiled inline, one
-        held a benchmark's timed batch for 30 s), and such passes are rare."""
+        stalled a benchmark's timed batch), and such passes are rare."""
         drafts: list[list[int] | None] = []
         with no_new_compiles(self._graph_runners()):
             for group in pass_groups([len(k) for k in kept], self.max_pass_rows):

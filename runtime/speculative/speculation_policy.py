@@ -1,56 +1,20 @@
 # SPDX-License-Identifier: Apache-2.0
 """Whether a decode step speculates: a fixed batch-size limit, or one measured per bucket.
 
-A verify round scores `S + 1` rows per request and runs the draft's `S` steps; it pays while
-the round costs less than the plain decode steps its tokens would otherwise take. Where a
-step is bound by fixed costs (weights read once per step, dispatch) it pays well; once the
-batch makes it compute-bound it does not. Where that crossover lies depends on the device,
-the model, the dtype and the drafts' acceptance, so the default (`auto`) measures it:
+A verify round pays while it costs less than the plain decode steps its tokens would
+otherwise take: true where a step is bound by fixed costs, false once the batch makes it
+compute-bound. Where that lies depends on the device, model, dtype and acceptance, so:
 
 * `FixedLimit` is vLLM's `speculative_disable_by_batch_size`: decode steps of at least
   `limit` requests run without speculation (None: every step speculates).
-* `MeasuredSpeculation` times decode steps (everything the engine does per step, a
-  server's streaming included), per captured batch bucket and mode (verify round or plain
-  decode step), as the median of the newest few. A batch's accept length (tokens per
-  request per round) is the mean of its requests' own, each request's rounds so far
-  shrunk toward the traffic's accept length (an exponentially weighted mean over the
-  request-rounds of every step that ran rounds, with a memory of a few hundred) by
-  `prior_rounds` rounds of it: a batch of requests that accept little (the slow end of a
-  batch whose others finished) does not make the next, fresh batch decode plainly, and
-  one round of a large batch, whose mean swings by a tenth, does not flip the choice. A
-  bucket speculates while
-  `accept_length x plain_seconds >= (1 + margin) x round_seconds`: a round's tokens would
-  take longer as plain steps, by a margin (15%) for what speculating costs outside its
-  rounds (the draft's pass over each prompt's newest window, which waits while steps run
-  plainly; its catch-ups at each switch). A bucket that decodes plainly turns speculation
-  back on only by a further margin (`hysteresis`, 15%): near break-even, noise in the
-  medians (a step slowed by a prompt's prefill, the acceptance of the last few rounds)
-  would otherwise flip it back and forth, and each switch on costs a catch-up of the
-  draft over every request's skipped rows. It starts by speculating, runs a few plain
-  steps once it has timed a few rounds, and every `period` steps after that runs a few
-  steps of the mode it is not using, so the choice follows the acceptance of the
-  requests of the moment and the machine's speed; a probe that changes nothing doubles
-  the period (up to `max_period`), since probing rounds in a bucket that decodes plainly
-  first catches the draft up. A step that ran (or waited for) a bucket still compiling
-  (unsettled) says nothing about its captured cost: such steps are timed apart, and a
-  mode's unsettled time stands for it only until settled steps of that mode are timed, so
-  a bucket whose steps load in the background (each steals time from the serving thread,
-  for seconds to minutes) still chooses by what its steps cost while they load rather
-  than speculating blindly. A round that first caught the draft up over skipped rows pays
-  for the switch, not for the round and is not timed. A start-up
-  calibration (`StepTimer`, `MeasuredSpeculation.calibrate`) may time both modes at each
-  bucket before the traffic, so a fresh server chooses from the first rounds' acceptance
-  instead of learning each bucket's costs under load. Until the traffic has timed both
-  modes (`probe` steps each), a mode it has not timed costs its calibrated time plus what
-  the traffic's steps of the other mode take beyond theirs (a server's streaming and
-  scheduling add about the same time to a step in either mode). The decode rows of a step
-  that also carries prompt chunks choose by the calibrated times alone (`compute_pays`):
-  that per-step work is paid once for such a step whichever mode its decode rows run in.
+* `MeasuredSpeculation` (`auto`, the default) times decode steps per captured bucket and
+  mode, and speculates while `accept_length x plain_seconds >= (1 + margin) x
+  round_seconds`, with hysteresis, periodic probes of the other mode, steps beside a
+  compile timed apart, an optional start-up calibration (`calibrate`), and the decode rows
+  of steps carrying prompt chunks decided by calibrated times (`compute_pays`).
 
-Either way the output is unchanged: a request's tokens are those of plain decoding whichever
-mode each of its steps ran in (`NextNWorker` catches the draft up when speculation resumes).
-The decisions are rank 0's alone (its scheduler drives the replica), so the ranks never
-disagree.
+Either way a request's tokens are plain decoding's. The decisions are rank 0's alone, so
+ranks never disagree. The rules and why: docs/architecture.md section 3.
 """
 
 from __future__ import annotations
@@ -256,12 +220,10 @@ class MeasuredSpeculation:
     def compute_pays(self, costs: BucketCosts) -> bool:
         """Whether rounds pay by the bucket's calibrated step times alone, for decode rows
         beside prompt chunks: the traffic's times are of decode-only steps, where a
-        server's per-step work (streaming, scheduling: ~10 ms a step here) makes a plain
-        step dear and a round, paying it once for several tokens, cheap; beside a chunk's
-        extend that work is paid once for the step either way, and what a round costs
-        more is its compute (at 64 requests here a round was 52 ms against a 17 ms plain
-        step, for 3.1 tokens, while the traffic's decode-only steps put them at 65 and 27
-        ms). The same margin, and the hysteresis where the bucket decodes plainly now."""
+        server's per-step work (streaming, scheduling) makes a plain step dear and a
+        round, paying it once for several tokens, cheap; beside a chunk's extend that work
+        is paid once for the step either way, and what a round costs more is its compute.
+        The same margin, and the hysteresis where the bucket decodes plainly now."""
         return self._rounds_win(costs, *costs.calibrated)
 
     def record(self, batch_size: int, speculated: bool, seconds: float, *, settled=True) -> None:

@@ -217,6 +217,17 @@ def add_hf_baseline_arg(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_results_dir_arg(parser: argparse.ArgumentParser) -> None:
+    """`--results-dir DIR`: write the run's result file there (`scripts.bench.results`)."""
+    parser.add_argument(
+        "--results-dir",
+        help="also write one JSON result file into this directory: the command line, date, "
+        "machine (CPU model and ISA flags, cores, GPU), torch version, git commit, headline "
+        "figures and records; docs/benchmarks.md is rendered from docs/benchmark_results "
+        "(python -m scripts.bench.render)",
+    )
+
+
 def add_repeats_arg(parser: argparse.ArgumentParser, unit: str, detail: str = "") -> None:
     """`--repeats N`: every variant built and warmed first, then the variants take turns N
     times and each reports its run of median throughput (`report.median_run`)."""

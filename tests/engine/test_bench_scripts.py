@@ -105,6 +105,8 @@ def test_one_batch_compare_profile_plot(ckpt, tmp_path, capsys):
             str(jsonl),
             "--plot",
             str(png),
+            "--results-dir",
+            str(tmp_path / "results"),
         ]
     )
     text = capsys.readouterr().out
@@ -159,6 +161,17 @@ def test_one_batch_compare_profile_plot(ckpt, tmp_path, capsys):
     } <= set(records[0])
     if importlib.util.find_spec("matplotlib"):
         assert png.stat().st_size > 0
+    # the result file: the command that ran, the machine, and the run's printed ratios
+    (result_file,) = (tmp_path / "results").glob("*_bench_one_batch.json")
+    result = json.loads(result_file.read_text())
+    assert result["command"].startswith("python -m scripts.bench_one_batch --model-path ")
+    assert "--batch-size 1 2 --input-len 6 --output-len 4" in result["command"]
+    assert {"cpu", "isa", "cores", "gpu"} <= set(result["machine"])
+    assert len(result["records"]) == 6
+    figures = {f["name"]: f["value"] for f in result["figures"]}
+    for bs in (1, 2):
+        label = f"NEXTN(steps=3)/plain decode tok/s [bs={bs} in=6 out=4]"
+        assert close(figures[f"NEXTN / plain decode tok/s, batch {bs}"], printed[label])
 
 
 def test_one_batch_hf_baseline(ckpt, capsys):
@@ -351,6 +364,8 @@ def test_offline_compare_with_hf_and_plot(ckpt, tmp_path, capsys):
             str(jsonl),
             "--plot",
             str(png),
+            "--results-dir",
+            str(tmp_path),
         ]
     )
     text = capsys.readouterr().out
@@ -380,6 +395,19 @@ def test_offline_compare_with_hf_and_plot(ckpt, tmp_path, capsys):
     assert hf["hf_batch_size"] in (1, 4)
     if importlib.util.find_spec("matplotlib"):
         assert png.stat().st_size > 0
+    (result_file,) = tmp_path.glob("*_bench_offline_throughput.json")
+    result = json.loads(result_file.read_text())
+    assert "--speculative-num-steps 1 2 --num-prompts 6" in result["command"]
+    assert [r["variant"] for r in result["records"]] == [r["variant"] for r in records]
+    figures = {f["name"]: f["value"] for f in result["figures"]}
+    for record in records[1:3]:
+        v = record["variant"]
+        assert close(
+            figures[f"{v} / plain output tok/s"], got[f"{v}/plain output token throughput"]
+        )
+        assert close(
+            figures[f"{v} / HF (best batch) output tok/s"], got[f"ours[{v}]/HF output tok/s"]
+        )
 
 
 def test_offline_repeats_take_turns_and_report_the_median_run(ckpt, tmp_path, capsys):

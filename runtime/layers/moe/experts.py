@@ -53,21 +53,14 @@ from runtime.layers.weight_utils import (
 )
 
 _SINGLE = ParallelGroup()
-# Captured steps on CPU sort the pairs from this many on. A compiled MoE layer of the
-# default model (8 experts, hidden 256, width 128, top-2), one thread: gathered 0.37 /
-# 0.60 / 1.11 / 3.94 ms against sorted 0.53 / 0.62 / 0.77 / 1.77 ms at 32 / 64 / 128 / 512
-# pairs (a one-off probe of both forms compiled alone).
+# Captured steps on CPU sort the pairs from this many on, where the sorted form (each
+# expert's weights read once) overtakes the gathered one (docs/captured_decode.md section 3).
 SORTED_MIN_PAIRS = 64
 # Up to this many pairs a captured step on CPU goes through the narrow-weight kernel where
-# it is loaded (`forward_narrow`). The same probe's layer over eight layers' weights in turn
-# (one thread): kernel 0.03 / 0.06 / 0.12 / 0.19 / 0.33 / 1.19 ms against sorted fp32
-# 0.06 / 0.12 / 0.22 / 0.29 / 0.40 / 0.82 ms at 2 / 8 / 32 / 64 / 128 / 512 pairs.
+# it is loaded (`forward_narrow`): below it the kernel beats the sorted form over fp32.
 KERNEL_MAX_PAIRS = 128
 # Where the weights are packed for AMX tiles, the sorted form multiplies on them
-# (`grouped_product`) and overtakes the kernel sooner. The same layers in turn, eager calls
-# of both forms as a captured step makes them (one thread, a 2-core AVX-512/AMX CPU): kernel
-# 0.23 / 0.34 / 0.47 / 0.56 / 0.76 ms against sorted on tiles 0.34 / 0.36 / 0.43 / 0.44 /
-# 0.50 ms at 32 / 64 / 96 / 128 / 192 pairs (a one-off probe).
+# (`grouped_product`) and overtakes the kernel sooner.
 KERNEL_MAX_PAIRS_BESIDE_TILES = 64
 
 
