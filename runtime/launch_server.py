@@ -8,9 +8,11 @@ ranks only (no HTTP) and exits when rank 0 does.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
+import signal
 import sys
 import threading
 
@@ -30,13 +32,21 @@ ABORT_DRAIN_S = 5.0
 def graceful_server(app, args: ServerArgs):
     """A uvicorn server whose SIGTERM / SIGINT waits `--graceful-shutdown-timeout` seconds
     for running requests, then aborts them in the engine (their clients get what was
-    generated so far) and exits; a second signal exits at once (uvicorn's own rule)."""
+    generated so far) and exits; a second signal exits at once (uvicorn's own rule). Its
+    compile threads and child processes end with it (`child_processes`)."""
     import uvicorn
+
+    from runtime.engine.child_processes import end_compiles_and_children
 
     engine = app.state.server.engine
     grace = args.graceful_shutdown_timeout
 
     class GracefulServer(uvicorn.Server):
+        async def shutdown(self, sockets=None) -> None:
+            await super().shutdown(sockets)
+            # uvicorn raises SIGTERM again after this, which skips `atexit`
+            end_compiles_and_children()
+
         def handle_exit(self, sig, frame) -> None:
             first = not self.should_exit
             super().handle_exit(sig, frame)
@@ -84,6 +94,26 @@ def build(args: ServerArgs):
     return create_app(async_engine, args, metrics), engine
 
 
+@contextlib.contextmanager
+def children_end_with_this_process():
+    """Until the server serves, SIGTERM exits like SIGINT (unwinding, so that what this
+    process started is ended: a compile at start-up, the ranks it spawned); and however the
+    block is left, the compile threads and child processes are ended."""
+    from runtime.engine.child_processes import adopt_orphans, end_compiles_and_children
+
+    adopt_orphans()
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        end_compiles_and_children()
+
+
+def _exit_on_sigterm(sig, frame) -> None:
+    raise SystemExit(128 + sig)
+
+
 def main(argv: list[str] | None = None) -> None:
     try:
         args = ServerArgs.from_cli(argv)
@@ -102,6 +132,12 @@ def main(argv: list[str] | None = None) -> None:
             flush=True,
         )
         raise SystemExit(run_node(args.engine_config()))
+    with children_end_with_this_process():
+        serve(args)
+
+
+def serve(args: ServerArgs) -> None:
+    """Build the engine and app, print what is served, serve until a signal."""
     try:
         app, engine = build(args)
     except (ValueError, FileNotFoundError) as err:
@@ -136,6 +172,9 @@ def main(argv: list[str] | None = None) -> None:
         f"serving {args.served_model_name or engine.model_path} on http://{args.host}:{args.port}",
         flush=True,
     )
+    # uvicorn takes SIGTERM over while it serves, and restores this handler to raise it
+    # again at the end: the default, so the process ends by the signal, as it was sent
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     graceful_server(app, args).run()
 
 

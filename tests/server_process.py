@@ -25,7 +25,8 @@ def free_port() -> int:
 class ServerProcess:
     """A server started with `flags` (plus `--port`), one torch thread. Its output goes to
     `log_path` (shown when it fails to come up) or is discarded. `wait`: return once
-    `/health` answers (else call `wait_healthy`)."""
+    `/health` answers (else call `wait_healthy`). `env`: variables set for it (None:
+    removed); `new_session`: it leads a session (and process group) of its own."""
 
     def __init__(
         self,
@@ -34,6 +35,8 @@ class ServerProcess:
         log_path: Path | None = None,
         wait: bool = True,
         timeout: float = 240,
+        env: dict[str, str | None] | None = None,
+        new_session: bool = False,
     ):
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -41,9 +44,16 @@ class ServerProcess:
         self.log = open(log_path if log_path is not None else os.devnull, "w")
         cmd = [sys.executable, "-m", "runtime.launch_server", "--port", str(self.port), *flags]
         self.cmd = cmd
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        overrides = {"OMP_NUM_THREADS": "1", **(env or {})}
+        environment = {**os.environ, **overrides}
+        environment = {k: v for k, v in environment.items() if v is not None}
         self.proc = subprocess.Popen(
-            cmd, cwd=REPO_ROOT, stdout=self.log, stderr=subprocess.STDOUT, env=env
+            cmd,
+            cwd=REPO_ROOT,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            env=environment,
+            start_new_session=new_session,
         )
         self.api_key = flags[flags.index("--api-key") + 1] if "--api-key" in flags else None
         if wait:

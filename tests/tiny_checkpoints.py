@@ -396,3 +396,23 @@ def build_tiny_qwen4_exp_mtp_checkpoint(path: Path, seed: int = 0, **overrides):
     extra, mtp_model = qwen_mtp_state(config, seed)
     state.update(extra)
     return save_released_checkpoint(path, config, state), target, mtp_model
+
+
+def build_tied_checkpoint(family: str, path: Path, seed: int = 0, mtp: bool = True, **overrides):
+    """A tiny model of `family` ("deepseek_v4" or "qwen4_exp") with `tie_word_embeddings`,
+    written by transformers' `save_pretrained`, which leaves `lm_head.weight` out (the head
+    is the embedding); with `mtp`, one random MTP layer in a file of its own beside it.
+    Returns (path, the transformers target model)."""
+    if family == "deepseek_v4":
+        config = tiny_v4_config(tie_word_embeddings=True, **overrides)
+        model, draft = make_hf_v4_model(config, seed), mtp_state
+    else:
+        config = tiny_qwen4_exp_config(tie_word_embeddings=True, **overrides)
+        model, draft = make_hf_qwen4_exp_model(config, seed), qwen_mtp_state
+    model.save_pretrained(str(path))
+    if mtp:
+        # transformers' config drops what it does not model (Qwen4Exp's MTP layer count)
+        saved = json.loads((path / "config.json").read_text())
+        (path / "config.json").write_text(json.dumps({**config, **saved}, indent=2))
+        save_file(draft(config, seed)[0], str(path / "mtp.safetensors"))
+    return path, model

@@ -24,6 +24,7 @@ import torch
 
 from runtime.cache.prefix_cache import PrefixCache, RadixPrefixCache
 from runtime.configs.capture import CaptureConfig
+from runtime.configs.compiler_caches import point_compiler_caches
 from runtime.configs.engine_config import DEFAULT_MODEL_DIR, EngineConfig, default_model_path
 from runtime.core.errors import InvalidRequestError
 from runtime.core.request import FinishReason, Req
@@ -58,6 +59,8 @@ class Engine:
             config = with_resolved_dtype(config)
         self.config, self.model_path = config, config.model_path
         self.num_finished_reqs = 0
+        # before anything compiles, and before the replica's other ranks inherit the env
+        point_compiler_caches(config.capture_config().resolved_cache_dir())
         # rank 0 of a multi-rank replica: the other ranks start (and are watched) from here
         self.leader = ReplicaLeader(config) if multi_rank else None
         try:

@@ -145,17 +145,29 @@ def _register(worker: CompileWorker) -> None:
         _registered = True
 
 
-def stop_all(timeout: float = EXIT_WAIT_S) -> None:
-    """Stop every live worker and wait up to `timeout` seconds for all."""
+def stop_workers() -> list[CompileWorker]:
+    """Stop every live worker (no further item, the compile in flight interrupted) without
+    waiting; returns them, for `join_workers`."""
     workers = list(_workers)
     for worker in workers:
         worker.stop()
+    return workers
+
+
+def join_workers(workers: list[CompileWorker], timeout: float) -> bool:
+    """Wait up to `timeout` seconds for all of `workers` to end; True if they have."""
     deadline = time.monotonic() + timeout
     noticed = False
     for worker in workers:
-        if not noticed and not worker.join(EXIT_NOTICE_S):
+        if not noticed and not worker.join(min(EXIT_NOTICE_S, timeout)):
             logger.warning("waiting up to %.0f s for a background compile to stop", timeout)
             noticed = True
         if not worker.join(max(0.0, deadline - time.monotonic())):
-            logger.warning("a background compile did not stop; the exit may abort")
-            return
+            return False
+    return True
+
+
+def stop_all(timeout: float = EXIT_WAIT_S) -> None:
+    """Stop every live worker and wait up to `timeout` seconds for all."""
+    if not join_workers(stop_workers(), timeout):
+        logger.warning("a background compile did not stop; the exit may abort")

@@ -48,6 +48,7 @@ from dataclasses import dataclass, fields, is_dataclass
 import torch
 
 from runtime.configs.capture import CaptureConfig
+from runtime.configs.compiler_caches import point_compiler_caches
 from runtime.core.capture import compiling_here
 from runtime.core.forward_context import ForwardContext
 from runtime.core.forward_mode import CaptureHiddenMode, ForwardMode
@@ -816,16 +817,13 @@ def draft_round_function(runner, key: StepKey) -> Callable:
 
 def configure_compiler(config: CaptureConfig) -> None:
     """Point inductor's on-disk caches (FX graphs, AOT autograd, compiled kernels) at the
-    runtime cache directory unless the user chose one. Dims marked dynamic stay distinct
-    symbols even when their sizes happen to match (no duck shaping: the entry counts of two
-    compress ratios are equal at one step and not at the next)."""
+    runtime cache directory unless the user chose one (`compiler_caches`). Dims marked
+    dynamic stay distinct symbols even when their sizes happen to match (no duck shaping:
+    the entry counts of two compress ratios are equal at one step and not at the next)."""
     import torch.fx.experimental._config as fx_config
 
     fx_config.use_duck_shape = False
-    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
-        path = config.resolved_cache_dir() / "inductor"
-        path.mkdir(parents=True, exist_ok=True)
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path)
+    point_compiler_caches(config.resolved_cache_dir())  # done by the engine already
     import torch._inductor.config as inductor_config
 
     inductor_config.fx_graph_cache = True

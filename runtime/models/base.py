@@ -16,7 +16,10 @@ as `EntryClass`. It holds `self.model` (the architecture's blocks), `self.lm_hea
 * weight loading: every checkpoint name goes through the model file's name tables
   (`map_weight_name`), per-expert tensors through the MoE checkpoint loader, and a
   parameter left unfilled is an error naming it;
-* for MTP drafts, the embedding and LM head shared with the target.
+* a target's LM head tied to its embedding (`tie_word_embeddings`: the checkpoint has no
+  `lm_head.weight`, as transformers saves tied models);
+* for MTP drafts, the embedding and LM head shared with the target (so a tied target's
+  draft scores with the embedding too).
 
 A model file then holds its blocks, its name tables and a few class attributes.
 """
@@ -131,8 +134,9 @@ class CausalLMBase(nn.Module):
         return ()
 
     def skip_checkpoint_weight(self, name: str) -> bool:
-        """Tensors the loader need not even read."""
-        return self.map_weight_name(name) is None
+        """Tensors the loader need not even read (a tied head's copy among them)."""
+        target = self.map_weight_name(name)
+        return target is None or target.param in self.shared_params()
 
     def fill_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> WeightLoadTracker:
         """Feed checkpoint tensors to the parameters; the tracker says what was filled,
@@ -164,6 +168,21 @@ class TargetModel(CausalLMBase):
     MTP draft (`draft_architecture`) consumes."""
 
     draft_architecture: ClassVar[str]
+
+    def __init__(self, config, mapping: Mapping | None = None):
+        super().__init__(config, mapping)
+        if self.ties_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def ties_word_embeddings(self) -> bool:
+        """The LM head is the embedding (`tie_word_embeddings`, as in transformers'
+        `_tied_weights_keys`): a checkpoint holds the embedding only, and one written with
+        both has its `lm_head.weight` ignored, as transformers ties after loading."""
+        return bool(getattr(self.text_config, "tie_word_embeddings", False))
+
+    def shared_params(self) -> tuple[str, ...]:
+        return ("lm_head.weight",) if self.ties_word_embeddings else ()
 
     @staticmethod
     def has_draft_layers(config) -> bool:

@@ -320,11 +320,6 @@ class Qwen4ExpForCausalLM(TargetModel):
             or getattr(cfg, "num_nextn_predict_layers", 0)
         )
 
-    def __init__(self, config, mapping: Mapping | None = None):
-        super().__init__(config, mapping)
-        if self.text_config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-
     def build_model(self, config, mapping: Mapping) -> Qwen4ExpModel:
         return Qwen4ExpModel(config, mapping)
 
@@ -335,9 +330,6 @@ class Qwen4ExpForCausalLM(TargetModel):
     @property
     def num_routed_experts(self) -> int:
         return self.text_config.num_experts
-
-    def shared_params(self) -> tuple[str, ...]:
-        return ("lm_head.weight",) if self.text_config.tie_word_embeddings else ()
 
     def map_weight_name(self, name: str) -> ParamTarget | None:
         return map_checkpoint_name(name)

@@ -21,6 +21,7 @@ import pytest
 import torch
 from torch import nn
 
+from runtime.configs import compiler_caches
 from runtime.configs.capture import CaptureConfig
 from runtime.core.forward_mode import CaptureHiddenMode, ForwardMode
 from runtime.execution import graph_runner as graph_runner_mod
@@ -186,10 +187,9 @@ def precompiling(monkeypatch):
     """Graph runners precompile their steps; their cache directories are temporary ones,
     so inductor's stays where it is."""
     monkeypatch.setattr(graph_runner_mod, "PRECOMPILE", True)
-    inductor_dir = CaptureConfig().resolved_cache_dir() / "inductor"
-    monkeypatch.setenv(
-        "TORCHINDUCTOR_CACHE_DIR", os.environ.get("TORCHINDUCTOR_CACHE_DIR", str(inductor_dir))
-    )
+    if not compiler_caches.user_chose(compiler_caches.INDUCTOR_ENV):
+        inductor_dir = CaptureConfig().resolved_cache_dir() / "inductor"
+        monkeypatch.setenv(compiler_caches.INDUCTOR_ENV, str(inductor_dir))
 
 
 def bare_runner() -> SimpleNamespace:
