@@ -5,7 +5,8 @@ every output token), and NEXTN's acceptance after a hit equals that without the 
 (the MTP draft's state is cached with the target's). Resume points cover a prefix ending
 mid-page, at a window boundary, at a compression-block boundary and inside a Gated DeltaNet
 chunk; a NEXTN round that ran past max_new_tokens; eviction under a tight pool; requests
-sharing a prefix while one is retracted; `n > 1`. Request slots, pages, snapshot slots and
+sharing a prefix while one is retracted; `n > 1`; requests branching off a shared prompt
+(the real MTP draft proposes exactly as without the cache). Request slots, pages, snapshot slots and
 node locks all return to their start."""
 
 from __future__ import annotations
@@ -391,6 +392,55 @@ def test_requests_branching_off_a_shared_prefix_draft_as_without_the_cache(
         for key in ("spec_verify_ct", "spec_accept_histogram"):
             assert on["meta_info"][key] == off["meta_info"][key]
         assert drafts_on == drafts_off
+
+
+@pytest.mark.parametrize("family", ["v4", "qwen"])
+def test_requests_branching_off_a_shared_prefix_together_draft_as_without_the_cache(
+    checkpoints, family
+):
+    """The same five requests prefilled together in chunks of 8 (the snapshot points, so
+    both engines run the same steps): each caches its prefix at every chunk point while the
+    others run, finding their pages in the tree. Every proposal of the real draft, by
+    request and position, and every acceptance histogram equal those without the cache."""
+    base = prompt(40, seed=13)
+    shares = [8, 12, 17, 21, 24]
+    prompts = [
+        base[:n] + [base[n] % 89 + 1] + prompt(6, seed=300 + i) for i, n in enumerate(shares)
+    ]
+    runs = {}
+    for cache in (False, True):
+        engine = make_engine(
+            checkpoints[family],
+            cache,
+            spec=True,
+            page_size=1,
+            radix_snapshot_interval=8,
+            chunked_prefill_size=8,
+            speculative_num_steps=5,
+        )
+        proposals = {}
+        mtp = engine.worker.drafter
+        real = mtp.draft
+
+        def draft(batch, real=real, proposals=proposals):
+            out = real(batch)
+            for b, drafted in enumerate(out):
+                if drafted is not None:
+                    key = (tuple(batch.reqs[b].prompt_ids), batch.first_chain_position(b))
+                    proposals[key] = drafted
+            return out
+
+        mtp.draft = draft
+        outs = engine.generate(input_ids=prompts, sampling_params={**GREEDY, "max_new_tokens": 24})
+        runs[cache] = (outs, proposals)
+        if cache:
+            check_counts_return(engine)
+    (on, drafts_on), (off, drafts_off) = runs[True], runs[False]
+    assert [o["output_ids"] for o in on] == [o["output_ids"] for o in off]
+    assert [o["meta_info"]["spec_accept_histogram"] for o in on] == [
+        o["meta_info"]["spec_accept_histogram"] for o in off
+    ]
+    assert drafts_on == drafts_off
 
 
 @pytest.fixture(scope="module")
