@@ -6,8 +6,8 @@ every output token), and NEXTN's acceptance after a hit equals that without the 
 mid-page, at a window boundary, at a compression-block boundary and inside a Gated DeltaNet
 chunk; a NEXTN round that ran past max_new_tokens; eviction under a tight pool; requests
 sharing a prefix while one is retracted; `n > 1`; requests branching off a shared prompt
-(the real MTP draft proposes exactly as without the cache). Request slots, pages, snapshot slots and
-node locks all return to their start."""
+(the real MTP draft proposes exactly as without the cache). Request slots, pages, snapshot
+slots and node locks all return to their start."""
 
 from __future__ import annotations
 
