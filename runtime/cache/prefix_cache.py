@@ -25,7 +25,9 @@ it when it finishes or is retracted and after prefill chunks, make room under pr
 
 The unit of the tree is the least common multiple of the page size and every pool's
 `share_alignment` (DeepSeek-V4: its compress ratios), so a page the tree shares never has a
-compressed entry written into it later.
+compressed entry written into it later. Where an MTP draft keeps rows in the shared pages,
+each written with the token after it, the tree keys a position by its token and the next
+(`next_token_keys`), so what a request reads is what it would have computed itself.
 """
 
 from __future__ import annotations
@@ -175,11 +177,16 @@ class RadixPrefixCache(PrefixCache):
         snapshot_interval: int = 0,
         min_shared_prefix: int = MIN_SHARED_PREFIX,
         owed_capacity: int | None = None,
+        next_token_keys: bool = False,
     ):
         """`runners`: the target's and the draft's (their pools must have allocated
         `snapshot_slots` snapshots); every change to their caches goes through `pool_call`.
-        `owed_capacity`: the most rows an MTP draft may owe a snapshot (`StateSnapshots`)."""
+        `owed_capacity`: the most rows an MTP draft may owe a snapshot (`StateSnapshots`).
+        `next_token_keys`: an MTP draft keeps rows in shared pages (it reads every row), and
+        its row at `p` was computed with the token at `p + 1`, so the tree keys position `p`
+        by both tokens (`_keys`): a page is shared only where the next token agrees too."""
         super().__init__(slot_table)
+        self.next_token_keys = next_token_keys
         alignments = (runner.kv_pool.share_alignment() for runner in runners)
         unit = math.lcm(slot_table.page_size, *alignments)
         self.snapshots = StateSnapshots(runners, snapshot_slots, owed_capacity)
@@ -193,9 +200,23 @@ class RadixPrefixCache(PrefixCache):
         return self.tree.unit
 
     # admission ----------------------------------------------------------------------------
+    def _keys(self, tokens: list[int], length: int) -> list:
+        """The tree's key of each of positions `[0, length)`: its token, or with
+        `next_token_keys` the pair (its token, the next one; None past the last). Two
+        requests that branch at position `s` then share pages up to `s - 1` only: the draft
+        row at `s - 1` each reads is its own, computed with its own token `s`, as in a run
+        without the cache (sharing it would change the draft's later proposals)."""
+        if not self.next_token_keys:
+            return tokens[:length]
+        following = tokens[1 : length + 1]
+        return list(zip(tokens[:length], following + [None] * (length - len(following))))
+
     def _match(self, req: Req) -> PrefixMatch:
         limit = prompt_limit(req)
-        return self.tree.match(req.all_ids, limit) if limit > 0 else PrefixMatch(self.tree.root, [])
+        if limit <= 0:
+            return PrefixMatch(self.tree.root, [])
+        tokens = req.all_ids
+        return self.tree.match(self._keys(tokens, len(tokens)), limit, tail_tokens=tokens)
 
     def admit(self, req: Req, need_tokens: int, headroom_tokens: int, alone: bool) -> Admission:
         table, page = self.slot_table, self.slot_table.page_size
@@ -290,7 +311,7 @@ class RadixPrefixCache(PrefixCache):
         page = self.slot_table.page_size
         depth = pos // self.unit * self.unit
         pages = self.slot_table.pages(idx)
-        node, tree_pages = self.tree.insert(tokens[:depth], pages[: depth // page])
+        node, tree_pages = self.tree.insert(self._keys(tokens, depth), pages[: depth // page])
         self.tree.lock(node)
         self.slot_table.allocator.free_pages(self.slot_table.share_prefix(idx, tree_pages))
         tail_src = pages[depth // page : -(-pos // page)]

@@ -90,11 +90,16 @@ class RadixCache:
         self.root = RadixNode((), [], None, 0)
 
     # queries ------------------------------------------------------------------------------
-    def match(self, tokens: Sequence[int], limit: int) -> PrefixMatch:
+    def match(
+        self, tokens: Sequence, limit: int, tail_tokens: Sequence[int] | None = None
+    ) -> PrefixMatch:
         """The deepest snapshot at a position `<= limit` whose path and tail agree with
-        `tokens` (the snapshot at C needs `tokens[C]`, so `limit < len(tokens)`)."""
+        `tokens` (the snapshot at C needs `tokens[C]`, so `limit < len(tokens)`).
+        `tail_tokens`: what snapshot tails are compared with, where the edges are keyed by
+        something else per position (`tokens`, one key a position)."""
         limit = min(limit, len(tokens) - 1)
-        node, best = self.root, self._best_snapshot(self.root, tokens, limit)
+        tails = tokens if tail_tokens is None else tail_tokens
+        node, best = self.root, self._best_snapshot(self.root, tails, limit)
         while node.depth + self.unit <= limit:
             child = node.children.get(tuple(tokens[node.depth : node.depth + self.unit]))
             if child is None or child.depth > limit:
@@ -102,7 +107,7 @@ class RadixCache:
             if tuple(tokens[node.depth : child.depth]) != child.key:
                 break  # only part of the edge matches: its snapshots are out of reach
             node = child
-            best = self._best_snapshot(node, tokens, limit) or best
+            best = self._best_snapshot(node, tails, limit) or best
         if best is None:
             return PrefixMatch(self.root, [])
         self._touch(best)

@@ -105,6 +105,7 @@ class Req:
     draft_tokens: list[int] | None = None
     spec_verify_ct: int = 0
     spec_accept_hist: list[int] = field(default_factory=list)  # [m]: rounds that accepted m drafts
+    spec_plain_decode_tokens: int = 0  # tokens of decode steps that ran without speculation
     # rows the draft owes the cached state this request finished with, or resumed from
     owed_draft_rows: OwedDraftRows | None = None
     parent_rid: str | None = None  # the client's request id when this is one of its n choices

@@ -38,11 +38,19 @@ class Logprobs:
 
 @dataclass(frozen=True)
 class SpecCounters:
-    """Speculative decoding counters of one request (SGLang's `spec_verify_ct` & co.)."""
+    """Speculative decoding counters of one request (SGLang's `spec_verify_ct` & co.).
+
+    A request's first token comes from its prefill; every later one from either a verify
+    round or a decode step the speculation policy ran plainly. `accept_length` is over the
+    rounds alone: sum over rounds of (drafts accepted + 1) / rounds, the tokens a round
+    yields before a stop cuts it, so `1 <= accept_length <= num_steps + 1`; None before the
+    first round. `plain_decode_tokens` counts the tokens of the plain steps.
+    """
 
     verify_rounds: int
-    accept_length: float  # generated tokens per verify round (0 before the first round)
+    accept_length: float | None
     accept_histogram: tuple[int, ...]  # [m]: rounds that accepted m drafts
+    plain_decode_tokens: int = 0
 
 
 @dataclass(frozen=True)

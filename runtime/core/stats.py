@@ -55,7 +55,9 @@ class EngineStats:
     cache_tokens: int = 0  # token slots the prefix cache holds
     cache_snapshots: int = 0  # per-request state snapshots it holds
     # speculative decoding, engine-wide (None when it is off); raw counters so a client can
-    # take the accept length over its own window
+    # take the accept length over its own window. The accept length is over verify rounds
+    # alone (spec_emitted_tokens / spec_verify_rounds: accepted drafts + 1 per round), None
+    # before the first round; prefill tokens and plain decode steps count in neither.
     avg_spec_accept_length: float | None = None
     spec_acceptance_rate_per_position: tuple[float, ...] | None = None
     spec_verify_rounds: int | None = None

@@ -168,13 +168,15 @@ class Engine:
         if self.config.disable_radix_cache:
             return PrefixCache(self.slot_table)
         runners = [self.runner] + ([self.worker.drafter.runner] if self.spec_config else [])
+        reach = self.worker.drafter.runner.model.kv_reach if self.spec_config else None
         return RadixPrefixCache(
             self.slot_table,
             runners,
             snapshot_slots=self.config.radix_snapshot_slots,
             snapshot_interval=self.config.radix_snapshot_interval,
-            # a window-only draft owes a state at most its window of rows
-            owed_capacity=self.worker.drafter.runner.model.kv_reach if self.spec_config else None,
+            owed_capacity=reach,  # a window-only draft owes a state at most its window of rows
+            # a draft reading every row keeps its rows in the shared pages
+            next_token_keys=self.spec_config is not None and reach is None,
         )
 
     def _info(self) -> EngineInfo:

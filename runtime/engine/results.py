@@ -56,11 +56,15 @@ def _logprobs(req: Req) -> Logprobs:
 
 
 def _spec_counters(req: Req, num_draft_tokens: int) -> SpecCounters:
+    """The rounds' own tokens (accepted drafts + 1 each) per round, from the histogram:
+    neither the prefill's token nor the tokens of plain decode steps count."""
     rounds = req.spec_verify_ct
+    yielded = sum((m + 1) * count for m, count in enumerate(req.spec_accept_hist))
     return SpecCounters(
         verify_rounds=rounds,
-        accept_length=len(req.output_ids) / rounds if rounds else 0.0,
+        accept_length=yielded / rounds if rounds else None,
         accept_histogram=tuple(req.spec_accept_hist) or (0,) * num_draft_tokens,
+        plain_decode_tokens=req.spec_plain_decode_tokens,
     )
 
 

@@ -38,11 +38,14 @@ def render_generate(result: RequestResult, token_texts: TokenTexts | None = None
 
 
 def _spec_meta(spec: SpecCounters) -> dict:
-    return {
-        "spec_verify_ct": spec.verify_rounds,
-        "spec_accept_length": spec.accept_length,
-        "spec_accept_histogram": list(spec.accept_histogram),
-    }
+    """SGLang's three counters, `spec_accept_length` left out before the first round (as
+    SGLang does), and the tokens decoded while speculation was paused."""
+    meta = {"spec_verify_ct": spec.verify_rounds}
+    if spec.accept_length is not None:
+        meta["spec_accept_length"] = spec.accept_length
+    meta["spec_accept_histogram"] = list(spec.accept_histogram)
+    meta["spec_plain_decode_tokens"] = spec.plain_decode_tokens
+    return meta
 
 
 def _logprob_meta(logprobs: Logprobs, token_texts: TokenTexts | None) -> dict:

@@ -40,7 +40,19 @@ class ServerMetrics:
         self.running = gauge("num_running_reqs", "Running requests")
         self.waiting = gauge("num_queue_reqs", "Waiting requests")
         self.token_usage = gauge("token_usage", "Fraction of KV cache token slots in use")
-        self.accept_length = gauge("spec_accept_length", "Average speculative accept length")
+        self.accept_length = gauge(
+            "spec_accept_length",
+            "Tokens per speculative verify round (accepted drafts + 1), over all rounds so far",
+        )
+        # the raw counts behind it, so a scraper can take the accept length over its own window
+        self.spec_verify_rounds = counter("spec_verify_rounds", "Speculative verify rounds")
+        self.spec_round_tokens = counter(
+            "spec_round_tokens", "Tokens verify rounds yielded (accepted drafts + 1 per round)"
+        )
+        self.spec_plain_decode_tokens = counter(
+            "spec_plain_decode_tokens",
+            "Tokens decoded while speculation was paused (plain decode steps)",
+        )
         self.throughput = gauge("gen_throughput", "Generated tokens per second in the last step")
         self.cache_hit_rate = gauge(
             "cache_hit_rate", "Fraction of prompt tokens served from the prefix cache"
@@ -50,6 +62,7 @@ class ServerMetrics:
             "cache_evicted_tokens", "Token slots the prefix cache gave back under memory pressure"
         )
         self._evicted_seen = 0
+        self._spec_seen: dict[str, int] = {}  # EngineStats field -> its value counted so far
         self._seen: dict[str, tuple[int, float]] = {}  # rid -> (tokens counted, time of last token)
 
     def observe_step(self, results: list[RequestResult], stats: EngineStats, seconds: float):
@@ -74,8 +87,21 @@ class ServerMetrics:
         self._evicted_seen = max(self._evicted_seen, stats.cache_evicted_tokens)
         if stats.avg_spec_accept_length is not None:
             self.accept_length.set(stats.avg_spec_accept_length)
+        self._count_up(self.spec_verify_rounds, "spec_verify_rounds", stats)
+        self._count_up(self.spec_round_tokens, "spec_emitted_tokens", stats)
+        self._count_up(self.spec_plain_decode_tokens, "spec_plain_decode_tokens", stats)
         if seconds > 0:
             self.throughput.set(new_tokens / seconds)
+
+    def _count_up(self, counter, field: str, stats: EngineStats) -> None:
+        """Advance `counter` to the engine's running total `stats.<field>` (None: off)."""
+        total = getattr(stats, field)
+        if total is None:
+            return
+        seen = self._spec_seen.get(field, 0)
+        if total > seen:
+            counter.inc(total - seen)
+            self._spec_seen[field] = total
 
     def _observe_tokens(self, result: RequestResult, now: float) -> int:
         """Time to first token or inter-token latency of the tokens new since last time."""

@@ -92,8 +92,10 @@ class SpecStats:
                 self.accepted_at[i] += 1
 
     @property
-    def avg_accept_length(self) -> float:
-        return self.emitted_tokens / self.verify_rounds if self.verify_rounds else 0.0
+    def avg_accept_length(self) -> float | None:
+        """Tokens per verify round (accepted drafts + 1), over the rounds that ran: within
+        `[1, num_steps + 1]`; None before the first round."""
+        return self.emitted_tokens / self.verify_rounds if self.verify_rounds else None
 
     def acceptance_rate_per_position(self) -> list[float]:
         return [a / self.verify_rounds if self.verify_rounds else 0.0 for a in self.accepted_at]
@@ -300,6 +302,7 @@ class NextNWorker:
         reach = self.drafter.runner.model.kv_reach
         hidden = hidden[: len(reqs)].clone().unbind(0)
         for req, output, row in zip(reqs, outputs, hidden):
+            req.spec_plain_decode_tokens += 1
             kept = self.undrafted.get(req.rid)
             if kept is None:
                 kept = self.undrafted[req.rid] = UndraftedRows(req, req.seq_len - 1)

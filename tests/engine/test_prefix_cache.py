@@ -5,8 +5,9 @@ every output token), and NEXTN's acceptance after a hit equals that without the 
 (the MTP draft's state is cached with the target's). Resume points cover a prefix ending
 mid-page, at a window boundary, at a compression-block boundary and inside a Gated DeltaNet
 chunk; a NEXTN round that ran past max_new_tokens; eviction under a tight pool; requests
-sharing a prefix while one is retracted; `n > 1`. Request slots, pages, snapshot slots and
-node locks all return to their start."""
+sharing a prefix while one is retracted; `n > 1`; requests branching off a shared prompt
+(the real MTP draft proposes exactly as without the cache). Request slots, pages, snapshot
+slots and node locks all return to their start."""
 
 from __future__ import annotations
 
@@ -337,6 +338,109 @@ def test_round_past_the_stop_is_cached_at_the_stop(checkpoints, family, steps, k
     assert on[1]["meta_info"]["cached_tokens"] == len(first) + k - 1
     assert_same_result(on[1], off[1])
     assert proposals[True] == proposals[False]
+
+
+class RecordingDrafter:
+    """The real MTP draft, its proposals recorded (None ones, of chunks that only fill the
+    draft's cache, left out)."""
+
+    def __init__(self, mtp):
+        self.runner, self.mtp, self.proposals = mtp.runner, mtp, []
+
+    def draft(self, batch):
+        out = self.mtp.draft(batch)
+        self.proposals += [d for d in out if d is not None]
+        return out
+
+
+@pytest.mark.parametrize("family", ["v4", "qwen"])
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_requests_branching_off_a_shared_prefix_draft_as_without_the_cache(
+    checkpoints, family, page_size
+):
+    """Five requests share 8 to 24 tokens of a prompt, then diverge; snapshots every 8
+    tokens, 5 draft steps. A request branching off at `s` shares pages up to `s - 1` only:
+    the MTP draft's row at `s - 1` was computed with the token at `s`, which differs (a
+    Qwen4Exp draft keeps its rows in the shared pages). Each request's tokens, verify
+    rounds, acceptance histogram and every proposal of the real draft are a cold run's."""
+    base = prompt(40, seed=13)
+    shares = [8, 12, 17, 21, 24]
+    prompts = [
+        base[:n] + [base[n] % 89 + 1] + prompt(6, seed=300 + i) for i, n in enumerate(shares)
+    ]
+    runs = {}
+    for cache in (False, True):
+        engine = make_engine(
+            checkpoints[family],
+            cache,
+            spec=True,
+            page_size=page_size,
+            radix_snapshot_interval=8,
+            speculative_num_steps=5,
+        )
+        drafter = engine.worker.drafter = RecordingDrafter(engine.worker.drafter)
+        runs[cache] = []
+        for ids in prompts:
+            drafter.proposals = []
+            out = engine.generate(input_ids=ids, sampling_params={**GREEDY, "max_new_tokens": 24})
+            runs[cache].append((out, drafter.proposals))
+        if cache:
+            check_counts_return(engine)
+    assert sum(out["meta_info"]["cached_tokens"] for out, _ in runs[True]) > 0
+    for (on, drafts_on), (off, drafts_off) in zip(runs[True], runs[False]):
+        assert on["output_ids"] == off["output_ids"]
+        for key in ("spec_verify_ct", "spec_accept_histogram"):
+            assert on["meta_info"][key] == off["meta_info"][key]
+        assert drafts_on == drafts_off
+
+
+@pytest.mark.parametrize("family", ["v4", "qwen"])
+def test_requests_branching_off_a_shared_prefix_together_draft_as_without_the_cache(
+    checkpoints, family
+):
+    """The same five requests prefilled together in chunks of 8 (the snapshot points, so
+    both engines run the same steps): each caches its prefix at every chunk point while the
+    others run, finding their pages in the tree. Every proposal of the real draft, by
+    request and position, and every acceptance histogram equal those without the cache."""
+    base = prompt(40, seed=13)
+    shares = [8, 12, 17, 21, 24]
+    prompts = [
+        base[:n] + [base[n] % 89 + 1] + prompt(6, seed=300 + i) for i, n in enumerate(shares)
+    ]
+    runs = {}
+    for cache in (False, True):
+        engine = make_engine(
+            checkpoints[family],
+            cache,
+            spec=True,
+            page_size=1,
+            radix_snapshot_interval=8,
+            chunked_prefill_size=8,
+            speculative_num_steps=5,
+        )
+        proposals = {}
+        mtp = engine.worker.drafter
+        real = mtp.draft
+
+        def draft(batch, real=real, proposals=proposals):
+            out = real(batch)
+            for b, drafted in enumerate(out):
+                if drafted is not None:
+                    key = (tuple(batch.reqs[b].prompt_ids), batch.first_chain_position(b))
+                    proposals[key] = drafted
+            return out
+
+        mtp.draft = draft
+        outs = engine.generate(input_ids=prompts, sampling_params={**GREEDY, "max_new_tokens": 24})
+        runs[cache] = (outs, proposals)
+        if cache:
+            check_counts_return(engine)
+    (on, drafts_on), (off, drafts_off) = runs[True], runs[False]
+    assert [o["output_ids"] for o in on] == [o["output_ids"] for o in off]
+    assert [o["meta_info"]["spec_accept_histogram"] for o in on] == [
+        o["meta_info"]["spec_accept_histogram"] for o in off
+    ]
+    assert drafts_on == drafts_off
 
 
 @pytest.fixture(scope="module")

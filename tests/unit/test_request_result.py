@@ -63,8 +63,9 @@ def test_sglang_generate_shape_with_logprobs_and_spec_counters():
             "completion_tokens": 3,
             "cached_tokens": 0,
             "spec_verify_ct": 2,
-            "spec_accept_length": 1.5,
+            "spec_accept_length": 2.5,  # (1 + 1) + (2 + 1) tokens over 2 rounds
             "spec_accept_histogram": [0, 1, 1, 0],
+            "spec_plain_decode_tokens": 0,
             "input_token_logprobs": [[None, 6, None], [-1.5, 7, None]],
             "output_token_logprobs": [[-0.1, 10, None], [-0.2, 11, None], [-0.3, 12, None]],
             "input_top_logprobs": [None, [[-1.5, 7, None], [-2.0, 4, None]]],
@@ -115,7 +116,9 @@ def test_plain_request_without_logprobs_has_only_the_base_keys():
 def test_spec_histogram_before_any_round_is_zeros_of_the_verify_width():
     req = Req("r3", [1], SamplingParams())
     spec = request_result(req, num_draft_tokens=4, with_text=False).spec
-    assert (spec.verify_rounds, spec.accept_length, spec.accept_histogram) == (0, 0.0, (0,) * 4)
+    assert (spec.verify_rounds, spec.accept_length, spec.accept_histogram) == (0, None, (0,) * 4)
+    meta = render_generate(request_result(req, num_draft_tokens=4, with_text=False))["meta_info"]
+    assert "spec_accept_length" not in meta and meta["spec_verify_ct"] == 0
 
 
 def test_running_snapshot_holds_back_a_possible_stop_string():
