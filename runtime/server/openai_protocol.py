@@ -30,6 +30,9 @@ from runtime.server.generate_fields import is_unset
 logger = logging.getLogger(__name__)
 
 JSON_OBJECT_SCHEMA = '{"type": "object"}'  # response_format json_object, as SGLang sends it
+# The OpenAI API's bounds: completions `logprobs` <= 5, chat `top_logprobs` <= 20.
+MAX_COMPLETION_LOGPROBS = 5
+MAX_CHAT_TOP_LOGPROBS = 20
 
 
 class StreamOptions(BaseModel):
@@ -427,8 +430,12 @@ def completion_requests(body: CompletionRequest, engine: Engine) -> list[Req]:
     `echo` and `logprobs` the prompt's tokens are scored too, in the prefill the request
     runs anyway (`logprob_start_len = 0`)."""
     body.refuse_unsupported()
-    if body.logprobs is not None and body.logprobs < 0:
-        raise InvalidRequestError(f"logprobs must be >= 0, got {body.logprobs}", param="logprobs")
+    if body.logprobs is not None and not 0 <= body.logprobs <= MAX_COMPLETION_LOGPROBS:
+        raise InvalidRequestError(
+            f"logprobs must be in [0, {MAX_COMPLETION_LOGPROBS}] (the OpenAI API's bound), "
+            f"got {body.logprobs}",
+            param="logprobs",
+        )
     reqs = []
     for ids in completion_prompts(body, engine):
         params = body.sampling_params(_max_tokens(body.max_tokens, len(ids), engine))
@@ -497,6 +504,12 @@ def chat_prompt_ids(body: ChatCompletionRequest, engine: Engine) -> list[int]:
 
 def chat_requests(body: ChatCompletionRequest, engine: Engine) -> list[Req]:
     body.refuse_unsupported()
+    if not 0 <= (body.top_logprobs or 0) <= MAX_CHAT_TOP_LOGPROBS:
+        raise InvalidRequestError(
+            f"top_logprobs must be in [0, {MAX_CHAT_TOP_LOGPROBS}] (the OpenAI API's bound), "
+            f"got {body.top_logprobs}",
+            param="top_logprobs",
+        )
     ids = chat_prompt_ids(body, engine)
     requested = (
         body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens

@@ -75,12 +75,20 @@ def merged(
 
 
 async def _drain(updates: asyncio.Queue, count: int, tasks: list[asyncio.Task]):
+    """Snapshots as they come; when several of one request wait (the reader fell behind),
+    only its newest is yielded: each snapshot holds everything before it, so a stream
+    renders at the pace its client reads, not once per step it missed."""
     remaining = count
     try:
         while remaining:
-            index, snapshot = await updates.get()
-            remaining -= snapshot.finished
-            yield index, snapshot
+            waiting = [await updates.get()]
+            while not updates.empty():
+                waiting.append(updates.get_nowait())
+            newest = {index: k for k, (index, _) in enumerate(waiting)}
+            for k, (index, snapshot) in enumerate(waiting):
+                if newest[index] == k:
+                    remaining -= snapshot.finished
+                    yield index, snapshot
     finally:
         for task in tasks:
             task.cancel()
