@@ -31,15 +31,15 @@ _ENCODER = json.JSONEncoder(ensure_ascii=False, allow_nan=False, separators=(","
 CLIENT_GONE = 499
 
 
-def _next_piece(pieces: Iterator[str]) -> str | None:
-    """About `PIECE_CHARS` characters of JSON (None: the document is complete)."""
+def _next_piece(pieces: Iterator[str]) -> tuple[bytes, bool]:
+    """About `PIECE_CHARS` characters of JSON, as UTF-8, and whether more may follow."""
     out, size = [], 0
     for piece in pieces:
         out.append(piece)
         size += len(piece)
         if size >= PIECE_CHARS:
-            break
-    return "".join(out) if out else None
+            return "".join(out).encode("utf-8"), True
+    return "".join(out).encode("utf-8"), False
 
 
 async def json_response(request: Request, build: Callable, *args) -> Response:
@@ -48,14 +48,13 @@ async def json_response(request: Request, build: Callable, *args) -> Response:
     next piece."""
     payload = await run_in_threadpool(build, *args)
     pieces = _ENCODER.iterencode(payload)
-    body: list[str] = []
-    while True:
-        piece = await run_in_threadpool(_next_piece, pieces)
-        if piece is None:
-            break
+    body: list[bytes] = []
+    more = True
+    while more:
+        piece, more = await run_in_threadpool(_next_piece, pieces)
         body.append(piece)
-        if len(piece) >= PIECE_CHARS and await request.is_disconnected():
+        if more and await request.is_disconnected():
             logger.info("%s: client gone while its response was encoded", request.url.path)
             return Response(status_code=CLIENT_GONE)
-    text = "".join(body)
-    return Response(text.encode("utf-8"), media_type="application/json")
+    content = body[0] if len(body) == 1 else await run_in_threadpool(b"".join, body)
+    return Response(content, media_type="application/json")
