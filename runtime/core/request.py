@@ -111,6 +111,8 @@ class Req:
     parent_rid: str | None = None  # the client's request id when this is one of its n choices
     # the compiled stop strings (`Engine.make_request` builds them off the engine thread)
     stop_matcher: StopStrings | None = field(default=None, repr=False)
+    # the logprob lists as the last snapshot froze them (`engine.results`)
+    snapshot_cache: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def all_ids(self) -> list[int]:
