@@ -13,6 +13,13 @@ kind per request:
 * invalid: a body from a list of bad ones (bad seeds, out-of-vocabulary ids, lone
   surrogates, invalid UTF-8, n 0, unknown roles, a 2 MB prompt, an over-limit body now and
   then, ...); must answer 4xx;
+* costly: a shape that would cost the server far more than its share (issue 56): a huge
+  `top_logprobs_num`, every token of a long prompt scored with n = 128, OpenAI `logprobs`
+  6 / `top_logprobs` 21, 200+ stop strings, a giant stop string, 10,000 stop ids,
+  `chat_template_kwargs` with the keys the server sets itself (`tokenize`,
+  `add_generation_prompt`, `tools`, `chat_template`), duplicate OpenAI `rid`s; must
+  answer 4xx (valid requests meanwhile include the largest logprob and stop-string
+  requests the limits allow);
 * aborted: a long request with its own rid, aborted by `/abort_request` after a random
   delay; must answer 200 (finished: aborted, or done first);
 * disconnected: a client that gives up (non-streaming timeout, or a stream closed after its
@@ -56,6 +63,7 @@ from scripts.bench.launched_server import free_port
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 USER = [{"role": "user", "content": "write a loop"}]
 PROMPTS = ["def fib(n):\n", "import os\n", "class Stack:\n", "for i in range(", "# parse the"]
+LONG_PROMPT = "def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n" * 20
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -189,6 +197,13 @@ class Client:
                 body["input_ids"] = [rng.randint(5, 2000) for _ in range(rng.randint(1, 80))]
             if rng.random() < 0.2:
                 body.update(return_logprob=True, top_logprobs_num=2)
+            elif rng.random() < 0.1:  # the most a request may ask: every prompt token, top 20
+                body.pop("input_ids", None)
+                body.update(
+                    text=LONG_PROMPT, return_logprob=True, logprob_start_len=0, top_logprobs_num=20
+                )
+            if rng.random() < 0.1:
+                params["stop"] = [f"never{i}" for i in range(63)] + ["\n\n"]
             path = "/generate"
         elif route == "completions":
             body = {"prompt": rng.choice(PROMPTS), "max_tokens": tokens, "stream": stream}
@@ -237,6 +252,41 @@ class Client:
         if rng.random() < 0.02:  # now and then a body over the default 32 MiB limit
             bodies = [("/generate", {"text": "x" * (33 * 2**20)})]
         return bodies
+
+    def costly_bodies(self) -> list[tuple[str, object]]:
+        """Shapes past the request limits (docs/serving_limits.md), and chat template
+        arguments and request ids the server must refuse: any 4xx will do."""
+        scored = {"text": LONG_PROMPT, "return_logprob": True, "logprob_start_len": 0}
+        chat = "/v1/chat/completions"
+        return [
+            ("/generate", {**scored, "top_logprobs_num": 4096}),
+            (
+                "/generate",
+                {**scored, "top_logprobs_num": 20, "sampling_params": {"n": 128}},
+            ),
+            ("/v1/completions", {"prompt": LONG_PROMPT, "logprobs": 6, "echo": True}),
+            (chat, {"messages": USER, "logprobs": True, "top_logprobs": 21}),
+            (
+                "/generate",
+                {"text": "x", "sampling_params": {"stop": [f"s{i}" for i in range(300)]}},
+            ),
+            ("/v1/completions", {"prompt": "x", "stop": ["z" * 1_000_000]}),
+            ("/generate", {"text": "x", "sampling_params": {"stop_token_ids": [7] * 10_000}}),
+            (chat, {"messages": USER, "chat_template_kwargs": {"tokenize": True}}),
+            (chat, {"messages": USER, "chat_template_kwargs": {"add_generation_prompt": False}}),
+            (chat, {"messages": USER, "chat_template_kwargs": {"tools": [{"type": "function"}]}}),
+            (chat, {"messages": USER, "chat_template_kwargs": {"chat_template": "{{ 7 * 7 }}"}}),
+            ("/v1/completions", {"prompt": ["a", "b"], "rid": ["dup", "dup"], "max_tokens": 4}),
+            (chat, {"messages": USER, "rid": ["same", "same"], "max_tokens": 4}),
+        ]
+
+    def costly(self, rng: random.Random) -> None:
+        path, body = rng.choice(self.costly_bodies())
+        response = self.post(path, json=body)
+        self.tally.record("costly", response.status_code, response.text)
+        if not 400 <= response.status_code < 500:
+            what = json.dumps(body)[:120]
+            self.tally.oops("costly", f"{path} {what} got {response.status_code}")
 
     def invalid(self, rng: random.Random) -> None:
         path, body = rng.choice(self.invalid_bodies(rng))
@@ -340,7 +390,13 @@ def big_body_probe(client: Client) -> dict:
     return out
 
 
-KINDS = [("valid", 0.5), ("invalid", 0.25), ("aborted", 0.125), ("disconnected", 0.125)]
+KINDS = [
+    ("valid", 0.45),
+    ("invalid", 0.2),
+    ("costly", 0.1),
+    ("aborted", 0.125),
+    ("disconnected", 0.125),
+]
 
 
 def worker(client: Client, tally: Tally, seed: int, deadline: float, budget: list) -> None:

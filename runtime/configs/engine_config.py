@@ -31,6 +31,11 @@ DEFAULT_MAX_RUNNING_REQUESTS = 64
 SPECULATIVE_MAX_RUNNING_REQUESTS = 48
 # The OpenAI API's upper bound on `n` (choices per request).
 DEFAULT_MAX_N = 128
+# vLLM's default `max_logprobs`; the OpenAI chat API's own bound on `top_logprobs`.
+DEFAULT_MAX_TOP_LOGPROBS = 20
+# Logprob entries one response may carry (see `engine/request_limits.py`): a scored
+# 24k-token context with 20 alternatives per token, about 20 MB of JSON.
+DEFAULT_MAX_LOGPROB_ENTRIES = 2**19
 
 
 def default_model_path() -> str:
@@ -149,6 +154,18 @@ class EngineConfig:
         20.0, "seconds a rank may go silent before the replica stops with an error naming it"
     )
     max_n: int = setting(DEFAULT_MAX_N, "most choices (n) one request may ask for")
+    max_top_logprobs: int = setting(
+        DEFAULT_MAX_TOP_LOGPROBS,
+        "most alternatives per token a request may ask for (/generate top_logprobs_num; the "
+        "OpenAI routes also keep OpenAI's own bounds: logprobs <= 5, top_logprobs <= 20), "
+        "as vLLM's --max-logprobs",
+    )
+    max_logprob_entries: int = setting(
+        DEFAULT_MAX_LOGPROB_ENTRIES,
+        "most logprob entries one response may carry: (prompt tokens scored + max_new_tokens) "
+        "x (1 + top_logprobs_num + len(token_ids_logprob)), summed over n choices and batch "
+        "prompts; a request past it gets a 400 (docs/serving_limits.md)",
+    )
     disable_cuda_graph: bool = setting(
         False,
         "run decode, verify and draft steps eagerly instead of replaying captured graphs "
@@ -298,6 +315,8 @@ class EngineConfig:
                 "--radix-snapshot-slots must be >= 1",
             ),
             (self.max_n >= 1, f"--max-n must be >= 1, got {self.max_n}"),
+            (self.max_top_logprobs >= 0, "--max-top-logprobs must be >= 0"),
+            (self.max_logprob_entries >= 1, "--max-logprob-entries must be >= 1"),
             (
                 self.capture_compile in CAPTURE_COMPILE_MODES,
                 f"--capture-compile must be one of {', '.join(CAPTURE_COMPILE_MODES)}",

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from runtime.core.sampling_params import SamplingParams
+from runtime.core.stop_strings import StopStrings
 
 if TYPE_CHECKING:
     import torch
@@ -109,6 +110,10 @@ class Req:
     # rows the draft owes the cached state this request finished with, or resumed from
     owed_draft_rows: OwedDraftRows | None = None
     parent_rid: str | None = None  # the client's request id when this is one of its n choices
+    # the compiled stop strings (`Engine.make_request` builds them off the engine thread)
+    stop_matcher: StopStrings | None = field(default=None, repr=False)
+    # the logprob lists as the last snapshot froze them (`engine.results`)
+    snapshot_cache: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def all_ids(self) -> list[int]:
@@ -174,15 +179,20 @@ class Req:
             self.finish(FinishReason("length", length=produced))
         return self.finished
 
+    def _stops(self) -> StopStrings:
+        if self.stop_matcher is None:
+            self.stop_matcher = StopStrings.of(tuple(self.sampling_params.stop_strings))
+        return self.stop_matcher
+
     def _check_stop_strings(self, delta_len: int) -> None:
-        stops = self.sampling_params.stop_strings
-        longest = max(len(s) for s in stops)
-        start = max(0, len(self.text) - delta_len - longest + 1)
-        hits = [(self.text.find(s, start), s) for s in stops]
-        hits = [(i, s) for i, s in hits if i >= 0]
-        if not hits:
+        """A stop string starting in the window the new text can complete (the longest
+        string's length before it): the earliest one, the shortest at that place."""
+        stops = self._stops()
+        start = max(0, len(self.text) - delta_len - stops.longest + 1)
+        hit = stops.find(self.text, start)
+        if hit is None:
             return
-        index, stop = min(hits)
+        index, stop = hit
         keep = index + len(stop) if self.sampling_params.no_stop_trim else index
         self.text = self.text[:keep]
         self.finish(FinishReason("stop", matched=stop))
@@ -191,10 +201,4 @@ class Req:
         """Text safe to stream: while running, a tail that could begin a stop string is held."""
         if self.finished or not self.sampling_params.stop_strings:
             return self.text
-        hold = 0
-        for stop in self.sampling_params.stop_strings:
-            for k in range(min(len(stop) - 1, len(self.text)), 0, -1):
-                if self.text.endswith(stop[:k]):
-                    hold = max(hold, k)
-                    break
-        return self.text[: len(self.text) - hold]
+        return self.text[: len(self.text) - self._stops().held(self.text)]

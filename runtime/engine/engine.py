@@ -31,6 +31,7 @@ from runtime.core.request import FinishReason, Req
 from runtime.core.result import RequestResult
 from runtime.core.sampling_params import SamplingParams
 from runtime.core.stats import EngineInfo, EngineStats
+from runtime.core.stop_strings import StopStrings
 from runtime.engine.capture_warmup import compile_at_startup
 from runtime.engine.fanout import fan_out
 from runtime.engine.host_malloc import keep_freed_memory
@@ -132,6 +133,8 @@ class Engine:
             vocab_size=self.model_config.vocab_size,
             context_length=self.context_length,
             max_n=config.max_n,
+            max_top_logprobs=config.max_top_logprobs,
+            max_logprob_entries=config.max_logprob_entries,
             max_text_chars=None
             if self.tokenizer is None
             else self.context_length * longest_token_chars(self.tokenizer),
@@ -276,10 +279,7 @@ class Engine:
                 f"exceeds the context length {self.context_length}; lower max_new_tokens",
                 param="max_new_tokens",
             )
-        if params.stop_token_ids:
-            self.limits.check_token_ids(params.stop_token_ids, "stop_token_ids")
-        for stop in params.stop_strings:
-            self.limits.check_text(stop, "stop")
+        self.limits.check_stops(params)
         if params.stop_strings and self.tokenizer is None:
             raise InvalidRequestError(
                 "stop strings need a tokenizer; use stop_token_ids", param="stop"
@@ -290,15 +290,7 @@ class Engine:
         ):
             if not isinstance(flag, bool):
                 raise InvalidRequestError(f"{name} must be true or false, got {flag!r}", param=name)
-        if (
-            isinstance(top_logprobs_num, bool)
-            or not isinstance(top_logprobs_num, int)
-            or not 0 <= top_logprobs_num <= self.model_config.vocab_size
-        ):
-            raise InvalidRequestError(
-                f"top_logprobs_num must be an integer in [0, {self.model_config.vocab_size}]",
-                param="top_logprobs_num",
-            )
+        self.limits.check_top_logprobs(top_logprobs_num)
         if isinstance(logprob_start_len, bool) or not isinstance(logprob_start_len, int):
             raise InvalidRequestError(
                 "logprob_start_len must be an integer", param="logprob_start_len"
@@ -337,7 +329,9 @@ class Engine:
             detokenizer=detok,
             grammar=grammar,
             parent_rid=parent_rid,
+            stop_matcher=StopStrings.of(tuple(params.stop_strings)) if params.stop else None,
         )
+        self.limits.check_logprob_entries([req])
         self._check_admissible(req)
         return req
 
@@ -367,12 +361,14 @@ class Engine:
         self.limits.check_rid(rid)
         rid = rid or self._new_rid()
         parent = rid if params.n > 1 else None
-        return [
+        reqs = [
             self.make_request(
                 input_ids, choice, rid=choice_rid, parent_rid=parent, **request_options
             )
             for choice_rid, choice in fan_out(params, rid)
         ]
+        self.limits.check_logprob_entries(reqs)  # every choice's logprobs in one response
+        return reqs
 
     def _new_rid(self) -> str:
         return f"{uuid.uuid4().hex[:12]}-{next(self._ids)}"
@@ -471,6 +467,7 @@ class Engine:
             return_text_in_logprobs=return_text_in_logprobs,
         )
         groups = [self.make_requests(ids, p, **options) for ids, p in zip(prompts, params)]
+        self.limits.check_logprob_entries(list(itertools.chain.from_iterable(groups)))
         for req in itertools.chain.from_iterable(groups):
             self.add_request(req)
         while self.has_work():

@@ -7,6 +7,13 @@ appear, text that is valid Unicode (no lone surrogates: JSON can carry them, UTF
 at most `max_n` choices, and a prompt the context length and the KV pool can hold (SGLang's
 `max_req_input_len` rule in `scheduler.py`, without auto-truncation).
 
+What one request may cost the server is bounded too (docs/serving_limits.md): at most
+`max_top_logprobs` alternatives per token (vLLM's `max_logprobs`), at most
+`max_logprob_entries` logprob entries in one response, counted from what the request
+asks for before it runs (`logprob_entries`), and at most `MAX_STOP_STRINGS` stop strings
+of at most `MAX_STOP_STRING_CHARS` characters and `MAX_STOP_TOKEN_IDS` stop token ids
+(a handful is what SGLang and vLLM clients send; each string is matched on every token).
+
 Prompt text is measured before it is tokenized: no token of the vocabulary is longer than
 `longest_token_chars`, so a text longer than `context_length * longest_token_chars`
 characters cannot fit the context (unless the tokenizer's normalizer deletes characters,
@@ -15,10 +22,16 @@ which no tokenizer this runtime ships does), and tokenizing it would only burn m
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from runtime.core.errors import InvalidRequestError
+from runtime.core.request import Req
+from runtime.core.sampling_params import SamplingParams
+
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 256
 
 MAX_RID_CHARS = 256  # a request id is a key in logs and tables, not a payload
 
@@ -46,6 +59,8 @@ class RequestLimits:
     context_length: int
     max_n: int
     max_text_chars: int | None = None  # None: no tokenizer, no text prompts
+    max_top_logprobs: int = 20
+    max_logprob_entries: int = 2**19
 
     def check_text(self, text: str, param: str = "text") -> None:
         if not isinstance(text, str):
@@ -103,3 +118,74 @@ class RequestLimits:
                 param="rid",
             )
         check_unicode(rid, "rid")
+
+    def check_stops(self, params: SamplingParams) -> None:
+        """At most `MAX_STOP_STRINGS` stop strings of at most `MAX_STOP_STRING_CHARS`
+        characters (valid Unicode), at most `MAX_STOP_TOKEN_IDS` stop token ids."""
+        stops = params.stop_strings
+        if len(stops) > MAX_STOP_STRINGS:
+            raise InvalidRequestError(
+                f"'stop' has {len(stops)} strings; this server takes at most {MAX_STOP_STRINGS}",
+                param="stop",
+            )
+        for i, stop in enumerate(stops):
+            if len(stop) > MAX_STOP_STRING_CHARS:
+                raise InvalidRequestError(
+                    f"stop string {i} has {len(stop)} characters; this server takes at most "
+                    f"{MAX_STOP_STRING_CHARS} per string",
+                    param="stop",
+                )
+            check_unicode(stop, "stop")
+        ids = params.stop_token_ids or ()
+        if len(ids) > MAX_STOP_TOKEN_IDS:
+            raise InvalidRequestError(
+                f"'stop_token_ids' has {len(ids)} ids; this server takes at most "
+                f"{MAX_STOP_TOKEN_IDS}",
+                param="stop_token_ids",
+            )
+        self.check_token_ids(ids, "stop_token_ids")
+
+    def check_top_logprobs(self, top_logprobs_num) -> None:
+        top = top_logprobs_num
+        if (
+            isinstance(top, bool)
+            or not isinstance(top, int)
+            or not 0 <= top <= min(self.max_top_logprobs, self.vocab_size)
+        ):
+            raise InvalidRequestError(
+                f"top_logprobs_num must be an integer in [0, "
+                f"{min(self.max_top_logprobs, self.vocab_size)}] (--max-top-logprobs), "
+                f"got {top!r}",
+                param="top_logprobs_num",
+            )
+
+    def check_logprob_entries(self, reqs: Sequence[Req]) -> None:
+        """400 when the responses of `reqs` (one call's choices and prompts together)
+        would carry more than `max_logprob_entries` logprob entries."""
+        total = sum(logprob_entries(r) for r in reqs)
+        if total <= self.max_logprob_entries:
+            return
+        if any(r.top_logprobs_num or r.token_ids_logprob for r in reqs):
+            param = "top_logprobs_num"
+        elif any(r.logprob_start_len >= 0 for r in reqs):
+            param = "logprob_start_len"
+        else:
+            param = "max_new_tokens"
+        raise InvalidRequestError(
+            f"the response would carry {total} logprob entries: (prompt tokens scored from "
+            "logprob_start_len + max_new_tokens) x (1 + top_logprobs_num + "
+            "len(token_ids_logprob)), summed over every choice (n) and prompt; this server "
+            f"sends at most {self.max_logprob_entries} (--max-logprob-entries). Lower "
+            "max_new_tokens, top_logprobs_num or n, or score fewer prompt tokens",
+            param=param,
+        )
+
+
+def logprob_entries(req: Req) -> int:
+    """Logprob entries `req` can return at most: one per scored position for the token
+    itself, plus one per top alternative and per `token_ids_logprob` id."""
+    if not req.return_logprob:
+        return 0
+    width = 1 + req.top_logprobs_num + len(req.token_ids_logprob or ())
+    scored_prompt = len(req.prompt_ids) - req.logprob_start_len if req.logprob_start_len >= 0 else 0
+    return (scored_prompt + req.sampling_params.max_new_tokens) * width

@@ -36,21 +36,37 @@ def request_result(req: Req, num_draft_tokens: int | None, with_text: bool) -> R
     )
 
 
-def _lists(rows) -> tuple:
-    return tuple(None if row is None else tuple(row) for row in rows)
+def _row(row) -> tuple | None:
+    return None if row is None else tuple(row)
+
+
+def _frozen(req: Req, name: str, convert=None) -> tuple:
+    """`req.<name>` as a tuple (each row through `convert`), extended from the previous
+    snapshot's: the scheduler only appends to these lists (a restarted prefill swaps in new
+    ones), so a step costs the rows it added, not every row again (a request scoring a long
+    prompt would otherwise copy all its entries on every step, on the engine's thread)."""
+    rows = getattr(req, name)
+    held = req.snapshot_cache.get(name)
+    if held is not None and held[0] is rows and held[1] <= len(rows):
+        new = rows[held[1] :]
+        frozen = held[2] + tuple(new if convert is None else map(convert, new))
+    else:
+        frozen = tuple(rows if convert is None else map(convert, rows))
+    req.snapshot_cache[name] = (rows, len(rows), frozen)
+    return frozen
 
 
 def _logprobs(req: Req) -> Logprobs:
     ids = req.token_ids_logprob
     return Logprobs(
-        input_token_logprobs=tuple(req.input_token_logprobs),
-        output_token_logprobs=tuple(req.output_token_logprobs),
-        output_top_logprobs=_lists(req.output_top_logprobs),
+        input_token_logprobs=_frozen(req, "input_token_logprobs"),
+        output_token_logprobs=_frozen(req, "output_token_logprobs"),
+        output_top_logprobs=_frozen(req, "output_top_logprobs", _row),
         top_logprobs_num=req.top_logprobs_num,
-        input_top_logprobs=_lists(req.input_top_logprobs),
+        input_top_logprobs=_frozen(req, "input_top_logprobs", _row),
         token_ids_logprob=None if ids is None else tuple(ids),
-        input_token_ids_logprobs=_lists(req.input_token_ids_logprobs),
-        output_token_ids_logprobs=_lists(req.output_token_ids_logprobs),
+        input_token_ids_logprobs=_frozen(req, "input_token_ids_logprobs", _row),
+        output_token_ids_logprobs=_frozen(req, "output_token_ids_logprobs", _row),
         with_text=req.return_text_in_logprobs,
     )
 

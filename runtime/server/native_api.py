@@ -17,6 +17,7 @@ from runtime.core.result import RequestResult
 from runtime.engine.engine import Engine
 from runtime.engine.sglang_output import render_generate
 from runtime.server.generate_fields import check_fields
+from runtime.server.rendering import json_response
 from runtime.server.request_body import json_body
 from runtime.server.state import State
 from runtime.server.streaming import collect, guarded_sse, merged, sse
@@ -134,7 +135,9 @@ def parse_generate(body, engine: Engine) -> GenerateCall:
         engine.make_requests(ids, p, rid=rid, **option)
         for ids, p, rid, option in zip(prompts, params, rids, options)
     ]
-    return GenerateCall(groups, batched, stream)
+    call = GenerateCall(groups, batched, stream)
+    engine.limits.check_logprob_entries(call.requests)  # one response carries them all
+    return call
 
 
 def response_shape(call: GenerateCall, results: list[RequestResult], token_texts=None):
@@ -143,14 +146,24 @@ def response_shape(call: GenerateCall, results: list[RequestResult], token_texts
     return rendered[0] if not call.batched and len(rendered) == 1 else rendered
 
 
+def _event(snapshot: RequestResult, index: int | None, token_texts) -> str:
+    payload = render_generate(snapshot, token_texts)
+    if index is not None:
+        payload["index"] = index
+    return sse(payload)
+
+
 async def _stream(
     snapshots: AsyncIterator[tuple[int, RequestResult]], indexed: bool, token_texts
 ) -> AsyncIterator[str]:
+    """SGLang's stream: every event holds the whole result so far. With logprobs that grows
+    with the request, so those events are rendered in a worker thread."""
     async for index, snapshot in snapshots:
-        payload = render_generate(snapshot, token_texts)
-        if indexed:
-            payload["index"] = index
-        yield sse(payload)
+        position = index if indexed else None
+        if snapshot.logprobs is None:
+            yield _event(snapshot, position, token_texts)
+        else:
+            yield await run_in_threadpool(_event, snapshot, position, token_texts)
     yield sse("[DONE]")
 
 
@@ -168,4 +181,4 @@ async def generate(request: Request, state: State):
             guarded_sse(events, request.url.path), media_type="text/event-stream"
         )
     results = await collect(request, state.engine, reqs)
-    return await run_in_threadpool(response_shape, call, results, state.core.token_texts)
+    return await json_response(request, response_shape, call, results, state.core.token_texts)

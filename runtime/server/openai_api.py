@@ -30,6 +30,7 @@ from runtime.server.openai_protocol import (
     log_model_name,
     with_openai_names,
 )
+from runtime.server.rendering import json_response
 from runtime.server.request_body import model_body
 from runtime.server.state import ServerState, State
 from runtime.server.streaming import collect, guarded_sse, merged, sse
@@ -79,13 +80,16 @@ async def openai_stream(
         if not (delta or reason):
             continue  # nothing new to say (text held back for a possible stop string)
         first = not opened[i]
-        logprobs = fmt.logprobs(snapshot, sent_tokens[i], first) if fmt.logprobs else None
+        logprobs = None
+        if fmt.logprobs is not None:  # the prompt's too with echo: off the event loop
+            logprobs = await run_in_threadpool(fmt.logprobs, snapshot, sent_tokens[i], first)
         if first and fmt.echo is not None:
             delta = fmt.echo[i] + delta
         opened[i], sent_text[i], sent_tokens[i] = True, text, snapshot.completion_tokens
         if snapshot.finished:
             finals[i] = snapshot
-        yield chunk([fmt.choice(i, delta, reason, matched, logprobs)])
+        choice = fmt.choice(i, delta, reason, matched, logprobs)
+        yield chunk([choice]) if logprobs is None else await run_in_threadpool(chunk, [choice])
     if include_usage:
         yield chunk([], usage=render.usage([finals[i] for i in range(count)], n))
     yield sse("[DONE]")
@@ -101,6 +105,8 @@ def _prepare_completion(body: CompletionRequest, engine: Engine):
     """Requests and echo texts of a completion call: it tokenizes and detokenizes, so it
     runs in a worker thread."""
     reqs = with_openai_names(completion_requests, body, engine)
+    # one response carries every prompt's choices
+    with_openai_names(engine.limits.check_logprob_entries, reqs, logprob_start_len="echo")
     echo = None
     if body.echo:
         echo = echo_texts(body, [r.prompt_ids for r in reqs[:: body.n]], engine)
@@ -161,7 +167,8 @@ async def completions(request: Request, state: State):
             openai_stream(state, snapshots, len(reqs), body.n, fmt, body.include_usage),
         )
     results = await collect(request, state.engine, reqs)
-    return await run_in_threadpool(
+    return await json_response(
+        request,
         render.completion_response,
         results,
         body.n,
@@ -203,6 +210,6 @@ async def chat(request: Request, state: State):
             openai_stream(state, snapshots, len(reqs), body.n, fmt, body.include_usage),
         )
     results = await collect(request, state.engine, reqs)
-    return await run_in_threadpool(
-        render.chat_response, results, body.n, state.model_name, tokenizer, body.logprobs
+    return await json_response(
+        request, render.chat_response, results, body.n, state.model_name, tokenizer, body.logprobs
     )

@@ -31,6 +31,9 @@ from runtime.server.native_api import prompt_rids
 logger = logging.getLogger(__name__)
 
 JSON_OBJECT_SCHEMA = '{"type": "object"}'  # response_format json_object, as SGLang sends it
+# The OpenAI API's bounds: completions `logprobs` <= 5, chat `top_logprobs` <= 20.
+MAX_COMPLETION_LOGPROBS = 5
+MAX_CHAT_TOP_LOGPROBS = 20
 
 
 class StreamOptions(BaseModel):
@@ -430,8 +433,12 @@ def completion_requests(body: CompletionRequest, engine: Engine) -> list[Req]:
     `echo` and `logprobs` the prompt's tokens are scored too, in the prefill the request
     runs anyway (`logprob_start_len = 0`)."""
     body.refuse_unsupported()
-    if body.logprobs is not None and body.logprobs < 0:
-        raise InvalidRequestError(f"logprobs must be >= 0, got {body.logprobs}", param="logprobs")
+    if body.logprobs is not None and not 0 <= body.logprobs <= MAX_COMPLETION_LOGPROBS:
+        raise InvalidRequestError(
+            f"logprobs must be in [0, {MAX_COMPLETION_LOGPROBS}] (the OpenAI API's bound), "
+            f"got {body.logprobs}",
+            param="logprobs",
+        )
     reqs = []
     prompts = completion_prompts(body, engine)
     for ids, rid in zip(prompts, prompt_rids(body.rid, len(prompts))):
@@ -488,6 +495,12 @@ def chat_prompt_ids(body: ChatCompletionRequest, engine: Engine) -> list[int]:
 
 def chat_requests(body: ChatCompletionRequest, engine: Engine) -> list[Req]:
     body.refuse_unsupported()
+    if not 0 <= (body.top_logprobs or 0) <= MAX_CHAT_TOP_LOGPROBS:
+        raise InvalidRequestError(
+            f"top_logprobs must be in [0, {MAX_CHAT_TOP_LOGPROBS}] (the OpenAI API's bound), "
+            f"got {body.top_logprobs}",
+            param="top_logprobs",
+        )
     ids = chat_prompt_ids(body, engine)
     requested = (
         body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens

@@ -62,25 +62,38 @@ def merged(
 ) -> AsyncIterator[tuple[int, RequestResult]]:
     """(index, snapshot) of several requests as they arrive. Reading starts now, not when
     the response body starts: a client gone before its first byte still aborts them (and
-    frees their ids). Closing the iterator (the client left mid-stream) aborts the rest."""
-    updates: asyncio.Queue = asyncio.Queue()
+    frees their ids). Closing the iterator (the client left mid-stream) aborts the rest.
+
+    Each snapshot holds everything before it, so one that arrives while an older one of the
+    same request still waits replaces it: a reader that falls behind costs one pending
+    snapshot per request and one rendering per read, not one per step it missed."""
+    pending: dict[int, RequestResult] = {}  # index -> newest snapshot not yet read
+    ready = asyncio.Event()
 
     async def pump(index: int, req: Req) -> None:
         async for snapshot in engine.stream(req):
-            updates.put_nowait((index, snapshot))
+            pending.pop(index, None)  # re-inserted last: snapshots are read in arrival order
+            pending[index] = snapshot
+            ready.set()
 
     tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(reqs)]
     tasks.append(asyncio.create_task(_abort_on_disconnect(request, reqs, engine)))
-    return _drain(updates, len(reqs), tasks)
+    return _drain(pending, ready, len(reqs), tasks)
 
 
-async def _drain(updates: asyncio.Queue, count: int, tasks: list[asyncio.Task]):
+async def _drain(
+    pending: dict[int, RequestResult], ready: asyncio.Event, count: int, tasks: list
+) -> AsyncIterator[tuple[int, RequestResult]]:
     remaining = count
     try:
         while remaining:
-            index, snapshot = await updates.get()
-            remaining -= snapshot.finished
-            yield index, snapshot
+            await ready.wait()
+            ready.clear()
+            batch = list(pending.items())
+            pending.clear()
+            for index, snapshot in batch:
+                remaining -= snapshot.finished
+                yield index, snapshot
     finally:
         for task in tasks:
             task.cancel()
