@@ -10,7 +10,6 @@ objects in `openai_render`; both streaming routes share one generator, `openai_s
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
@@ -58,11 +57,12 @@ async def openai_stream(
     n: int,
     fmt: StreamFormat,
     include_usage: bool,
+    rid=None,
 ) -> AsyncIterator[str]:
     """Server-sent chunks of `count` requests (choice i is request i, `snapshots` from
     `merged`): each carries the text and logprobs new since that choice's previous chunk;
-    then usage (if asked) and [DONE]."""
-    cid, created = f"{fmt.id_prefix}-{uuid.uuid4().hex}", int(time.time())
+    then usage (if asked) and [DONE]. Every chunk's `id` is `render.response_id`'s."""
+    cid, created = render.response_id(rid, fmt.id_prefix), int(time.time())
 
     def chunk(choices: list[dict], **extra) -> str:
         head = {"id": cid, "object": fmt.object, "created": created, "model": state.model_name}
@@ -164,7 +164,7 @@ async def completions(request: Request, state: State):
         snapshots = merged(request, state.engine, reqs)
         return _streaming(
             request,
-            openai_stream(state, snapshots, len(reqs), body.n, fmt, body.include_usage),
+            openai_stream(state, snapshots, len(reqs), body.n, fmt, body.include_usage, body.rid),
         )
     results = await collect(request, state.engine, reqs)
     return await json_response(
@@ -176,6 +176,7 @@ async def completions(request: Request, state: State):
         tokenizer,
         echo,
         wants_logprobs,
+        body.rid,
     )
 
 
@@ -207,9 +208,16 @@ async def chat(request: Request, state: State):
         snapshots = merged(request, state.engine, reqs)
         return _streaming(
             request,
-            openai_stream(state, snapshots, len(reqs), body.n, fmt, body.include_usage),
+            openai_stream(state, snapshots, len(reqs), body.n, fmt, body.include_usage, body.rid),
         )
     results = await collect(request, state.engine, reqs)
     return await json_response(
-        request, render.chat_response, results, body.n, state.model_name, tokenizer, body.logprobs
+        request,
+        render.chat_response,
+        results,
+        body.n,
+        state.model_name,
+        tokenizer,
+        body.logprobs,
+        body.rid,
     )

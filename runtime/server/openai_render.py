@@ -135,18 +135,32 @@ def chat_opening_choice(index: int) -> dict:
     }
 
 
+def response_id(rid, prefix: str) -> str:
+    """The response's `id`: the client's request id where it sent one (SGLang answers with
+    the first request's id; a batch's first prompt's here), else `<prefix>-<uuid>`."""
+    if isinstance(rid, list) and rid and isinstance(rid[0], str):
+        return rid[0]
+    return rid if isinstance(rid, str) else f"{prefix}-{uuid.uuid4().hex}"
+
+
 def completion_response(
-    results: list[RequestResult], n: int, model: str, tokenizer, echo_texts, logprobs: bool
+    results: list[RequestResult],
+    n: int,
+    model: str,
+    tokenizer,
+    echo_texts,
+    logprobs: bool,
+    rid=None,
 ) -> dict:
     """`echo_texts`: one prompt text per prompt to put before its choices' text (and the
-    prompt's tokens before their logprobs), or None."""
+    prompt's tokens before their logprobs), or None; `rid`: the client's request id."""
     choices = []
     for i, r in enumerate(results):
         text = (echo_texts[i // n] if echo_texts else "") + (r.text or "")
         lp = completion_logprobs(r, tokenizer, with_prompt=bool(echo_texts)) if logprobs else None
         choices.append(completion_choice(i, text, *finish_reason(r), lp))
     return {
-        "id": f"cmpl-{uuid.uuid4().hex}",
+        "id": response_id(rid, "cmpl"),
         "object": "text_completion",
         "created": int(time.time()),
         "model": model,
@@ -156,7 +170,7 @@ def completion_response(
 
 
 def chat_response(
-    results: list[RequestResult], n: int, model: str, tokenizer, logprobs: bool
+    results: list[RequestResult], n: int, model: str, tokenizer, logprobs: bool, rid=None
 ) -> dict:
     choices = []
     for i, r in enumerate(results):
@@ -171,7 +185,7 @@ def chat_response(
             }
         )
     return {
-        "id": f"chatcmpl-{uuid.uuid4().hex}",
+        "id": response_id(rid, "chatcmpl"),
         "object": "chat.completion",
         "created": int(time.time()),
         "model": model,

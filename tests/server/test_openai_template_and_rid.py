@@ -218,6 +218,28 @@ def test_bad_rids(spec_server, path, body, status, word):
         assert word in error["message"] and error["param"] == "rid", error
 
 
+def test_the_response_id_is_the_clients_rid(spec_server):
+    """SGLang answers with the request's id as the OpenAI `id`; without a `rid`, a fresh one."""
+    cases = [
+        (C, {"prompt": "x", "rid": "mine-c", "max_tokens": 2}, "mine-c"),
+        (C, {"prompt": ["x", "y"], "rid": ["b0", "b1"], "max_tokens": 2}, "b0"),
+        (CHAT, {"messages": USER, "rid": "mine-chat", "max_tokens": 2}, "mine-chat"),
+    ]
+    for path, body, expected in cases:
+        response = spec_server.post(path, json=body)
+        assert response.status_code == 200, response.text
+        assert response.json()["id"] == expected
+        stream = spec_server.post(path, json={**body, "stream": True})
+        ids = {
+            json.loads(line[len("data: ") :])["id"]
+            for line in stream.text.splitlines()
+            if line.startswith("data: {")
+        }
+        assert ids == {expected}, ids
+    plain = [spec_server.post(C, json={"prompt": "x", "max_tokens": 2}).json()["id"] for _ in "ab"]
+    assert plain[0] != plain[1] and all(i.startswith("cmpl-") for i in plain)
+
+
 def test_a_live_openai_rid_gets_409_on_both_routes(spec_server):
     alone = spec_server.post(C, json={"prompt": PROMPT, **MEDIUM}).json()
     spec_server.wait_idle()
