@@ -152,7 +152,7 @@ def assert_runtime_equals_training_form(checkpoint: Path, draft_cls, seqs) -> No
     from runtime.cache import PagedTokenAllocator, ReqToTokenPool, SlotTable
     from runtime.configs.model_config import ModelConfig
     from runtime.core.forward_mode import CaptureHiddenMode, ForwardMode
-    from runtime.execution.model_runner import ModelInput
+    from runtime.execution.model_input import ModelInput
 
     model = load_checkpoint(checkpoint).eval()
     config = ModelConfig.from_path(checkpoint, "float32")
@@ -215,7 +215,7 @@ def test_chained_training_form_is_the_runtime_draft_chain(trained):
     from runtime.cache import PagedTokenAllocator, ReqToTokenPool, SlotTable
     from runtime.configs.model_config import ModelConfig
     from runtime.core.forward_mode import CaptureHiddenMode, ForwardMode
-    from runtime.execution.model_runner import ModelInput
+    from runtime.execution.model_input import ModelInput
     from runtime.models.deepseek_v4_mtp import DeepseekV4ForCausalLMNextN
 
     passes = 3

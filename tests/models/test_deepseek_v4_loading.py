@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from runtime.configs.model_config import ModelConfig
 from runtime.core.forward_mode import ForwardMode
-from runtime.execution.model_runner import ModelInput
+from runtime.execution.model_input import ModelInput
 from runtime.model_loader import CheckpointError
 from runtime.models.registry import UnsupportedArchitectureError
 from tests.models.test_deepseek_v4_parity import all_rows, make_runner, random_ids

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from runtime.cache import PagedTokenAllocator, ReqToTokenPool, SlotTable
 from runtime.configs.model_config import ModelConfig
 from runtime.core.forward_mode import CaptureHiddenMode, ForwardMode
-from runtime.execution.model_runner import ModelInput
+from runtime.execution.model_input import ModelInput
 from runtime.models.deepseek_v4_mtp import DeepseekV4ForCausalLMNextN, remap_mtp_name
 from tests.runners import load_runner
 from tests.tiny_checkpoints import build_tiny_v4_mtp_checkpoint

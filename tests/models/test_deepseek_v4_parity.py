@@ -15,7 +15,7 @@ import torch
 from runtime.cache import PagedTokenAllocator, ReqToTokenPool, SlotTable
 from runtime.configs.model_config import ModelConfig
 from runtime.core.forward_mode import CaptureHiddenMode, ForwardMode
-from runtime.execution.model_runner import ModelInput
+from runtime.execution.model_input import ModelInput
 from tests.runners import assert_decode_matches, load_runner
 
 ATOL = 1e-4

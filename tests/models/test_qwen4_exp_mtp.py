@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 from runtime.cache import PagedTokenAllocator, ReqToTokenPool, SlotTable
 from runtime.configs.model_config import ModelConfig
 from runtime.core.forward_mode import CaptureHiddenMode, ForwardMode
-from runtime.execution.model_runner import ModelInput
+from runtime.execution.model_input import ModelInput
 from runtime.models.qwen4_exp_mtp import (
     Qwen4ExpMTP,
     map_mtp_checkpoint_name,

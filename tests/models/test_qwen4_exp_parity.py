@@ -15,7 +15,7 @@ import torch
 from runtime.cache import PagedTokenAllocator, ReqToTokenPool, SlotTable
 from runtime.configs.model_config import ModelConfig
 from runtime.core.forward_mode import ForwardMode
-from runtime.execution.model_runner import ModelInput
+from runtime.execution.model_input import ModelInput
 from tests.models.test_deepseek_v4_parity import (
     ATOL,
     all_rows,
