@@ -28,7 +28,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from scripts.bench.flags import new_parser
-from scripts.tiny_training.hot_vocab import hot_tokens, write_table
+from training.hot_vocab import hot_tokens, write_table
 
 TEXT_FIELDS = ("text", "prompt", "completion", "content")
 
@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> None:
         "--stdlib-train",
         action="store_true",
         help="count over the training split of the interpreter's standard library, the "
-        "embedded default model's training data (split as scripts/train_tiny_model.py does)",
+        "embedded default model's training data (split as training/train_tiny_model.py does)",
     )
     p.add_argument("--num-tokens", type=int, required=True, help="table size before EOS ids")
     p.add_argument("-o", "--output", required=True, help="*.json, or anything else for torch.save")
@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> None:
 
 def corpus_texts(paths: list[str], stdlib_train: bool) -> Iterator[str]:
     if stdlib_train:
-        from scripts.tiny_training.corpus import (
+        from training.corpus import (
             DEFAULT_HOLDOUT_EVERY,
             split_by_file,
             stdlib_sources,

@@ -256,7 +256,7 @@ def code_prompts(num_prompts: int, prompt_chars: int, holdout_every: int) -> lis
     """The opening `prompt_chars` characters (cut back to a line end) of `num_prompts` evenly
     spaced files the default model held out (the trainer's own split of the standard
     library): in its domain, not in its training data."""
-    from scripts.tiny_training.corpus import split_by_file, stdlib_sources
+    from training.corpus import split_by_file, stdlib_sources
 
     _, held = split_by_file(stdlib_sources(), holdout_every)
     usable = [text for _, text in held if len(text) > prompt_chars]

@@ -21,9 +21,9 @@ from transformers import AutoTokenizer
 from runtime.layers import hyper_connection
 from scripts import REPO_ROOT
 from scripts.bench import datasets, hf_baseline
-from scripts.tiny_training.corpus import split_by_file, stdlib_sources
 from tests.server_process import ServerProcess
 from tests.tiny_checkpoints import build_tiny_v4_mtp_checkpoint, save_char_tokenizer
+from training.corpus import split_by_file, stdlib_sources
 
 
 def script(name: str):

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The tiny-model trainer (`python -m scripts.train_tiny_model`), run for a few steps with
+"""The tiny-model trainer (`python -m training.train_tiny_model`), run for a few steps with
 a tiny shape on a slice of the stdlib, for each family (DeepSeek-V4, Qwen4Exp): its
 checkpoint has the released key set, the runtime serves it (plain and NEXTN), transformers
 loads it, and the MTP it trains is exactly the runtime's draft."""
@@ -14,12 +14,12 @@ import pytest
 import torch
 
 from runtime import Engine
-from scripts import train_tiny_model
-from scripts.tiny_training.corpus import TOKEN_IDS
-from scripts.tiny_training.evaluation import transformers_parity
-from scripts.tiny_training.export import load_checkpoint
-from scripts.tiny_training.families import qwen4_exp
 from tests.runners import load_runner
+from training import train_tiny_model
+from training.corpus import TOKEN_IDS
+from training.evaluation import transformers_parity
+from training.export import load_checkpoint
+from training.families import qwen4_exp
 
 TINY_SHAPE = {
     "corpus-limit-files": 24, "vocab-size": 384, "hidden-size": 64, "num-layers": 3,
@@ -269,12 +269,12 @@ def test_chained_training_form_is_the_runtime_draft_chain(trained):
 
 def test_distillation_fits_a_batch_and_changes_only_the_draft(trained, tmp_path):
     """The distillation loss falls as the MTP fits one batch (its gradient reaches the
-    draft through every chained pass); `scripts.distill_draft` rewrites only `mtp.*`
+    draft through every chained pass); `training.distill_draft` rewrites only `mtp.*`
     tensors, the model's output is unchanged, and the card says what was done."""
     from safetensors.torch import load_file
 
-    from scripts import distill_draft
-    from scripts.tiny_training.draft_distill import distill_loss, freeze_trunk_
+    from training import distill_draft
+    from training.draft_distill import distill_loss, freeze_trunk_
 
     model = load_checkpoint(trained)
     params = freeze_trunk_(model)
@@ -339,7 +339,7 @@ def test_distillation_fits_a_batch_and_changes_only_the_draft(trained, tmp_path)
 
 @pytest.mark.parametrize("flags", [["--eval-threads", "0"], ["--num-steps", "0"]])
 def test_distill_draft_refuses_bad_flags(flags, capsys):
-    from scripts import distill_draft
+    from training import distill_draft
 
     with pytest.raises(SystemExit) as exit_info:
         distill_draft.parse_args(flags)

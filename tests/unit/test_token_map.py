@@ -13,7 +13,7 @@ import torch
 
 from runtime.configs.token_map import check_token_map, load_token_map
 from runtime.layers.embedding import HotVocabLMHead, ParallelLMHead
-from scripts.tiny_training.hot_vocab import hot_tokens, stream_counts
+from training.hot_vocab import hot_tokens, stream_counts
 
 
 @pytest.mark.parametrize(

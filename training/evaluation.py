@@ -12,11 +12,11 @@ from pathlib import Path
 
 import torch
 
-from scripts.tiny_training.corpus import checkpoint_corpus, encode_documents
-from scripts.tiny_training.export import load_checkpoint
-from scripts.tiny_training.families import family_of_config
-from scripts.tiny_training.loop import eval_windows, evaluate_heldout, format_metrics
-from scripts.tiny_training.model_card import model_card
+from training.corpus import checkpoint_corpus, encode_documents
+from training.export import load_checkpoint
+from training.families import family_of_config
+from training.loop import eval_windows, evaluate_heldout, format_metrics
+from training.model_card import model_card
 
 
 def eval_prompts(held_sources: list, count: int, min_chars=200, max_chars=320) -> list[str]:
