@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> None:
     except (ValueError, OSError) as err:
         print(f"make_token_map: error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
-    tokenizer, eos_ids = load_tokenizer(args.model_path)
+    tokenizer, eos_ids = tokenizer_and_eos(args.model_path)
     counts = count_tokens(tokenizer, texts)
     table = hot_tokens(counts, args.num_tokens, eos_ids)
     write_table(table, Path(args.output))
@@ -115,15 +115,16 @@ def record_texts(record) -> Iterator[str]:
             yield from record_texts(message)
 
 
-def load_tokenizer(model_path: str | None):
-    from transformers import AutoConfig, AutoTokenizer
+def tokenizer_and_eos(model_path: str | None):
+    from transformers import AutoConfig
 
     from runtime.configs.engine_config import default_model_path
+    from runtime.engine.tokenizer import load_tokenizer
 
     path = model_path or default_model_path()
     eos = getattr(AutoConfig.from_pretrained(path), "eos_token_id", None)
     eos_ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
-    return AutoTokenizer.from_pretrained(path), eos_ids
+    return load_tokenizer(path, required=True), eos_ids
 
 
 def count_tokens(tokenizer, texts: list[str]) -> Counter:

@@ -122,12 +122,11 @@ def _runtime_report(
 def transformers_parity(path: Path, prompts: list[str], new_tokens: int = 32) -> dict:
     """transformers loads the directory (ignoring `mtp.*`), and its greedy `generate`
     equals the runtime's greedy output in fp32."""
-    from transformers import AutoTokenizer
-
     from runtime import Engine
+    from runtime.engine.tokenizer import load_tokenizer
 
     family = family_of_config(json.loads((path / "config.json").read_text()))
-    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    tokenizer = load_tokenizer(path, required=True)
     model = family.hf_causal_lm().from_pretrained(str(path), dtype=torch.float32).eval()
     engine = Engine(model_path=str(path), dtype="float32")
     equal = []

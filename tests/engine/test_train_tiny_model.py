@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from runtime import Engine
+from runtime.engine.tokenizer import load_tokenizer
 from tests.runners import load_runner
 from training import train_tiny_model
 from training.corpus import TOKEN_IDS
@@ -115,9 +116,7 @@ def test_released_key_set_matches_the_test_checkpoints(trained, tmp_path):
 
 
 def test_tokenizer_loads_with_chat_template(any_trained):
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(str(any_trained))
+    tokenizer = load_tokenizer(any_trained, required=True)
     assert tokenizer(PROMPT)["input_ids"][0] == tokenizer.bos_token_id == 0
     assert tokenizer.eos_token_id == 1
     text = tokenizer.apply_chat_template(
