@@ -383,7 +383,7 @@ def test_qwen_released_keys_load_without_gaps_or_leftovers(qwen_trained):
     from runtime.configs.model_config import ModelConfig
     from runtime.models.qwen4_exp import Qwen4ExpForCausalLM, map_checkpoint_name
     from runtime.models.qwen4_exp_mtp import Qwen4ExpMTP
-    from tests.models.test_qwen4_exp_mtp import released_qwen_mtp_keys
+    from tests.models.test_mtp import released_qwen_mtp_keys
 
     tensors = load_file(str(qwen_trained / "model.safetensors"))
     assert {n for n in tensors if n.startswith("mtp.")} == set(released_qwen_mtp_keys())
