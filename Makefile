@@ -12,7 +12,7 @@ PYTHON ?= python
 SERVE_ARGS ?=
 BENCH_OUT ?= bench_results
 INSTALL := PYTHON=$(PYTHON) bash scripts/install.sh
-LINT_PATHS := runtime tests scripts
+LINT_PATHS := runtime tests scripts training
 
 .PHONY: help install install-test serve test test-slow lint format bench
 

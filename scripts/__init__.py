@@ -1,8 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """Command-line tools of nextn-runtime: the benchmarks, the benchmark prompt file and the
-tiny-model trainer. Run them from the repository root as modules, e.g.
-`python -m scripts.bench_one_batch --help`; `scripts.bench` and `scripts.tiny_training`
-hold what they share."""
+token maps. Run them from the repository root as modules, e.g.
+`python -m scripts.bench_one_batch --help`; `scripts.bench` holds what they share. The
+tiny-model trainer is the `training` package beside this one."""
 
 from __future__ import annotations
 

@@ -39,11 +39,11 @@ import random
 import sys
 import time
 
+from runtime.engine.tokenizer import load_tokenizer
 from scripts.bench import flags
 from scripts.bench.datasets import (
     BenchRequest,
     Conversation,
-    load_tokenizer,
     model_vocab_size,
     multiturn_conversations,
     random_token_ids,
@@ -189,7 +189,7 @@ def build_dataset(args, info: dict) -> list[BenchRequest]:
     if (text and args.dataset_name == "random") or args.tokenizer:
         if not tokenizer_path:
             raise ValueError("random text needs a tokenizer: pass --tokenizer")
-        tokenizer = load_tokenizer(tokenizer_path)
+        tokenizer = load_tokenizer(tokenizer_path, required=True)
     vocab = None
     if args.dataset_name == "random" and not text:
         # the server reports its vocabulary (its model path is a name, not a local path)

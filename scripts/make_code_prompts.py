@@ -18,7 +18,7 @@ from pathlib import Path
 
 from scripts.bench.datasets import code_prompts
 from scripts.bench.flags import new_parser
-from scripts.tiny_training.corpus import DEFAULT_HOLDOUT_EVERY
+from training.corpus import DEFAULT_HOLDOUT_EVERY
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -28,7 +28,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from scripts.bench.flags import new_parser
-from scripts.tiny_training.hot_vocab import hot_tokens, write_table
+from training.hot_vocab import hot_tokens, write_table
 
 TEXT_FIELDS = ("text", "prompt", "completion", "content")
 
@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> None:
         "--stdlib-train",
         action="store_true",
         help="count over the training split of the interpreter's standard library, the "
-        "embedded default model's training data (split as scripts/train_tiny_model.py does)",
+        "embedded default model's training data (split as training/train_tiny_model.py does)",
     )
     p.add_argument("--num-tokens", type=int, required=True, help="table size before EOS ids")
     p.add_argument("-o", "--output", required=True, help="*.json, or anything else for torch.save")
@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> None:
     except (ValueError, OSError) as err:
         print(f"make_token_map: error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
-    tokenizer, eos_ids = load_tokenizer(args.model_path)
+    tokenizer, eos_ids = tokenizer_and_eos(args.model_path)
     counts = count_tokens(tokenizer, texts)
     table = hot_tokens(counts, args.num_tokens, eos_ids)
     write_table(table, Path(args.output))
@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> None:
 
 def corpus_texts(paths: list[str], stdlib_train: bool) -> Iterator[str]:
     if stdlib_train:
-        from scripts.tiny_training.corpus import (
+        from training.corpus import (
             DEFAULT_HOLDOUT_EVERY,
             split_by_file,
             stdlib_sources,
@@ -115,15 +115,16 @@ def record_texts(record) -> Iterator[str]:
             yield from record_texts(message)
 
 
-def load_tokenizer(model_path: str | None):
-    from transformers import AutoConfig, AutoTokenizer
+def tokenizer_and_eos(model_path: str | None):
+    from transformers import AutoConfig
 
     from runtime.configs.engine_config import default_model_path
+    from runtime.engine.tokenizer import load_tokenizer
 
     path = model_path or default_model_path()
     eos = getattr(AutoConfig.from_pretrained(path), "eos_token_id", None)
     eos_ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
-    return AutoTokenizer.from_pretrained(path), eos_ids
+    return load_tokenizer(path, required=True), eos_ids
 
 
 def count_tokens(tokenizer, texts: list[str]) -> Counter:

@@ -9,7 +9,8 @@ import torch
 from runtime.cache.slot_table import SlotTable
 from runtime.configs.model_config import ModelConfig
 from runtime.core.forward_mode import ForwardMode
-from runtime.execution.model_runner import ModelInput, ModelRunner
+from runtime.execution.model_input import ModelInput
+from runtime.execution.model_runner import ModelRunner
 from runtime.model_loader.build import load_model
 
 

@@ -44,9 +44,12 @@ import time
 import types
 from collections.abc import Callable
 from dataclasses import dataclass, fields, is_dataclass
+from typing import Protocol
 
 import torch
+from torch import nn
 
+from runtime.cache.slot_table import SlotTable
 from runtime.configs.capture import CaptureConfig
 from runtime.configs.compiler_caches import point_compiler_caches
 from runtime.core.capture import compiling_here
@@ -56,6 +59,7 @@ from runtime.core.model_output import LogitsProcessorOutput
 from runtime.distributed.replica import patient_collectives
 from runtime.execution import step_store
 from runtime.execution.compile_worker import CompileWorker
+from runtime.execution.model_input import ModelInput
 from runtime.execution.step_store import StepStore, fingerprint, outputs_match, precompile
 from runtime.kernels import cpu_extension
 from runtime.layers import hyper_connection
@@ -181,6 +185,7 @@ class CapturedStep:
     # `fn` is a precompiled step, called without dynamo's frame evaluation (`step_store`)
     precompiled: bool = False
     loaded: bool = False  # the precompiled step came from disk
+    runs: int = 0  # calls that ran this step (live batches, not its compile)
 
 
 def fresh_function(fn: Callable, name: str) -> Callable:
@@ -202,8 +207,27 @@ def tensors_of(value) -> list[torch.Tensor]:
     return []
 
 
+class StepRunner(Protocol):
+    """What a `GraphRunner` reads of the runner it captures steps for (`ModelRunner` is
+    one): a protocol, so that `model_runner` imports this module and not the reverse."""
+
+    device: str
+    model: nn.Module
+    slot_table: SlotTable
+    kv_pool: object  # the model's cache pool (`capturable`, `prepare`)
+    verify_width: int
+
+    def call_model(
+        self,
+        ctx: ForwardContext,
+        input_ids: torch.Tensor,
+        captured_hidden_states: torch.Tensor | None,
+        spec_step_idx: int,
+    ) -> LogitsProcessorOutput: ...
+
+
 class GraphRunner:
-    def __init__(self, runner, config: CaptureConfig, max_running_requests: int):
+    def __init__(self, runner: StepRunner, config: CaptureConfig, max_running_requests: int):
         self.runner, self.config = runner, config
         self.buckets = config.buckets(max_running_requests)
         self.device = torch.device(runner.device)
@@ -245,7 +269,7 @@ class GraphRunner:
     def bucket_for(self, batch_size: int) -> int | None:
         return next((b for b in self.buckets if b >= batch_size), None)
 
-    def step_key(self, inp) -> StepKey | None:
+    def step_key(self, inp: ModelInput) -> StepKey | None:
         """The captured step that runs `inp`, or None when it must run eagerly."""
         if not self.capturable or inp.forward_mode not in CAPTURED_MODES:
             return None
@@ -279,7 +303,7 @@ class GraphRunner:
         )
 
     # --- running -------------------------------------------------------------------------
-    def try_forward(self, inp) -> LogitsProcessorOutput | None:
+    def try_forward(self, inp: ModelInput) -> LogitsProcessorOutput | None:
         """Run `inp` through its captured step; None when it is not capturable or its bucket
         is not compiled yet (the caller then runs it eagerly)."""
         key = self.step_key(inp)
@@ -291,7 +315,7 @@ class GraphRunner:
         batch = self.padded_batch(inp, step.key)
         return self._run(step, batch, len(inp.extend_lens))
 
-    def round_key(self, inp, num_steps: int) -> StepKey | None:
+    def round_key(self, inp: ModelInput, num_steps: int) -> StepKey | None:
         """The captured draft round that runs the draft's extend `inp` and `num_steps - 1`
         chained steps after it, or None (not a uniform extend over verified rows with one
         logits row per request and the hidden state of that row)."""
@@ -308,7 +332,7 @@ class GraphRunner:
         return dataclasses.replace(key, draft_steps=num_steps)
 
     def try_draft_round(
-        self, inp, chain_positions: list[int], num_steps: int
+        self, inp: ModelInput, chain_positions: list[int], num_steps: int
     ) -> torch.Tensor | None:
         """A whole greedy draft round in one captured graph (SGLang's
         `EAGLEDraftCudaGraphRunner` runs every draft step of a round in one graph): the
@@ -371,7 +395,7 @@ class GraphRunner:
     ) -> CapturedStep | None:
         """The compiled step for `key` (compiling it if it is new), or the smallest larger
         ready bucket while it compiles, or None."""
-        step = self._step(key, hidden, recipe)
+        step = self.captured_step(key, hidden, recipe)
         if step.state is StepState.PENDING and self.compiles_on_demand:
             self.unsettled_runs += 1
             self._schedule(step)
@@ -393,7 +417,9 @@ class GraphRunner:
                         return step
         return None
 
-    def padded_batch(self, inp, key: StepKey) -> tuple[ForwardContext, torch.Tensor, object]:
+    def padded_batch(
+        self, inp: ModelInput, key: StepKey
+    ) -> tuple[ForwardContext, torch.Tensor, object]:
         """The live batch padded to `key.bucket` requests: (context with metadata, input ids,
         hidden states or None)."""
         bs, q, pad = len(inp.extend_lens), key.rows_per_req, key.bucket - len(inp.extend_lens)
@@ -418,7 +444,7 @@ class GraphRunner:
         return ctx, ids, hidden
 
     def padded_round(
-        self, inp, chain_positions: list[int], key: StepKey
+        self, inp: ModelInput, chain_positions: list[int], key: StepKey
     ) -> tuple[tuple[ForwardContext, ...], torch.Tensor, torch.Tensor]:
         """A draft round's batch padded to `key.bucket`: (the extend's context, then one
         context per chained step, with metadata; the extend's input ids; hidden states)."""
@@ -482,6 +508,7 @@ class GraphRunner:
     def _run(self, step: CapturedStep, batch, batch_size: int) -> LogitsProcessorOutput:
         ctx, ids, hidden = batch
         key = step.key
+        step.runs += 1
         args = (ctx, ids, hidden, key.spec_step_idx)
         if self.cuda:
             logits, states = self._replay_cuda_graph(step, args)
@@ -511,9 +538,12 @@ class GraphRunner:
             return step.fn(*args)
 
     # --- compiling -----------------------------------------------------------------------
-    def _step(
-        self, key: StepKey, hidden: torch.Tensor | None, recipe: StepRecipe | None = None
+    def captured_step(
+        self, key: StepKey, hidden: torch.Tensor | None = None, recipe: StepRecipe | None = None
     ) -> CapturedStep:
+        """The step for `key`, made (pending, not compiled) the first time it is asked for;
+        `hidden`: the draft's hidden input of a live batch (its width), `recipe`: the
+        caller's body for a recipe step."""
         with self._lock:
             step = self._steps.get(key)
             if step is None:
@@ -543,7 +573,7 @@ class GraphRunner:
             body = step
         fn = fresh_function(body, name)
         if (self.cuda and not self.config.torch_compile) or self._store is not None:
-            return fn  # recorded, or precompiled, by `_compile`
+            return fn  # recorded, or precompiled, by `compile_step`
         # inductor's default mode on CUDA too: the gain is fusing the step's thousands of
         # small kernels, and max-autotune's GEMM search costs minutes per bucket
         return torch.compile(fn, dynamic=False, options=self._options() or None)
@@ -563,7 +593,7 @@ class GraphRunner:
         # a CUDA graph records in seconds, and while one records, another thread's
         # synchronising calls (the serving thread's eager steps) would fail: record inline
         if not self.config.background or self.cuda:
-            self._compile(step)
+            self.compile_step(step)
             return
         with self._lock:
             if step.state is not StepState.PENDING:
@@ -583,11 +613,12 @@ class GraphRunner:
             step_store.prepare()
             self._store.prune()
         else:
-            self._compile(item)
+            self.compile_step(item)
 
-    def _compile(self, step: CapturedStep) -> None:
-        """Capture `step` on a batch made only of padding rows (it writes only padding rows
-        of the caches, so it may run beside eager steps on live requests)."""
+    def compile_step(self, step: CapturedStep) -> None:
+        """Capture `step`, in the calling thread, on a batch made only of padding rows (it
+        writes only padding rows of the caches, so it may run beside eager steps on live
+        requests)."""
         step.state = StepState.COMPILING
         start = time.perf_counter()
         try:
@@ -667,10 +698,8 @@ class GraphRunner:
             return (*self.padded_round(inp, [], key), key.spec_step_idx)
         return (*self.padded_batch(inp, key), key.spec_step_idx)
 
-    def _padding_input(self, step: CapturedStep):
+    def _padding_input(self, step: CapturedStep) -> ModelInput:
         """A zero-request input of the step's shape (padding fills the whole bucket)."""
-        from runtime.execution.model_runner import ModelInput
-
         key = step.key
         return ModelInput(
             key.mode,
@@ -696,9 +725,9 @@ class GraphRunner:
                 each = dataclasses.replace(key, bucket=bucket)
                 if wanted is not None and not wanted(each):
                     continue
-                step = self._step(each, seen.hidden_like, seen.recipe)
+                step = self.captured_step(each, seen.hidden_like, seen.recipe)
                 if step.state is StepState.PENDING:
-                    self._compile(step)
+                    self.compile_step(step)
 
     def wait_until_idle(self, timeout: float | None = None) -> bool:
         """Block until no bucket is compiling (tests, benchmarks). False on timeout."""
@@ -767,7 +796,7 @@ def no_new_compiles(graph_runners):
         yield
 
 
-def logits_rows_of(inp, rows_per_req: int) -> list[int] | None:
+def logits_rows_of(inp: ModelInput, rows_per_req: int) -> list[int] | None:
     """The rows `inp` wants logits for (None: all)."""
     rows = inp.logits_row_indices
     if isinstance(rows, torch.Tensor):
@@ -791,7 +820,7 @@ def mark_dynamic_dims(args) -> None:
             mark_dynamic_dims(one)
 
 
-def draft_round_function(runner, key: StepKey) -> Callable:
+def draft_round_function(runner: StepRunner, key: StepKey) -> Callable:
     """The body of a captured draft round (`GraphRunner.try_draft_round`): the extend, then
     the chained steps, each request's next token the argmax of its logits row (what the
     step-by-step drafter picks without a grammar). Returns (drafts `[bucket, steps]`,

@@ -13,9 +13,7 @@ In a multi-rank replica, rank 0's runners hand every forward (and every cache co
 
 from __future__ import annotations
 
-import enum
 import logging
-from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -25,50 +23,17 @@ from runtime.cache.slot_table import SlotTable
 from runtime.configs.capture import CaptureConfig
 from runtime.configs.model_config import ModelConfig
 from runtime.core.forward_context import ForwardContext
-from runtime.core.forward_mode import CaptureHiddenMode, ForwardMode
+from runtime.core.forward_mode import ForwardMode
 from runtime.core.model_output import LogitsProcessorOutput
+from runtime.execution.graph_runner import GraphRunner
+from runtime.execution.model_input import DEFAULT_ROWS, DRAFT, TARGET, HiddenRows, ModelInput
 from runtime.kernels import cpu_extension
 
+# the input types live in `model_input` (both runners read them); their users import them
+# from here too
+__all__ = ["DRAFT", "TARGET", "HiddenRows", "ModelInput", "ModelRunner"]
+
 logger = logging.getLogger(__name__)
-
-
-class _Rows(enum.Enum):
-    DEFAULT = "default"  # an enum member: still itself after pickling to another rank
-
-
-_DEFAULT_ROWS = _Rows.DEFAULT
-
-
-TARGET, DRAFT = "target", "draft"  # runner roles
-
-
-@dataclass(frozen=True)
-class HiddenRows:
-    """Where `captured_hidden_states` came from: rows `rows` (None: all) of the hidden
-    states of the latest forward of the runner with role `source`. Every rank holds those
-    (they are replicated), so another rank rebuilds the tensor instead of receiving it."""
-
-    source: str
-    rows: torch.Tensor | None = None
-
-    def take(self, hidden: torch.Tensor) -> torch.Tensor:
-        return hidden if self.rows is None else hidden[self.rows.to(hidden.device)]
-
-
-@dataclass
-class ModelInput:
-    """One forward's worth of work, in scheduler terms (no tensors of the model)."""
-
-    forward_mode: ForwardMode
-    input_ids: torch.Tensor  # [T] new tokens, request after request
-    req_pool_indices: list[int]
-    prefix_lens: list[int]  # tokens of each request already in the cache
-    extend_lens: list[int]  # new tokens of each request in `input_ids`
-    capture_hidden_mode: CaptureHiddenMode = CaptureHiddenMode.NULL
-    captured_hidden_states: torch.Tensor | None = None  # draft input: target hidden per row
-    logits_row_indices: object = field(default=_DEFAULT_ROWS)  # rows to score; default by mode
-    spec_step_idx: int = 0
-    hidden_rows: HiddenRows | None = None  # provenance of `captured_hidden_states`
 
 
 class ModelRunner:
@@ -104,8 +69,6 @@ class ModelRunner:
         logger.info("%s", self.kv_pool.describe())
         self.graph_runner = None
         if capture is not None and capture.enabled:
-            from runtime.execution.graph_runner import GraphRunner
-
             self.graph_runner = GraphRunner(self, capture, slot_table.req_pool.max_reqs)
             if self.graph_runner.capturable:
                 logger.info("%s", self.graph_runner.describe())
@@ -137,7 +100,7 @@ class ModelRunner:
 
     def build_context(self, inp: ModelInput) -> ForwardContext:
         rows = inp.logits_row_indices
-        if rows is _DEFAULT_ROWS:
+        if rows is DEFAULT_ROWS:
             rows = None
         ctx = ForwardContext.build(
             inp.forward_mode,
@@ -150,7 +113,7 @@ class ModelRunner:
             capture_hidden_mode=inp.capture_hidden_mode,
             logits_row_indices=rows,
         )
-        if inp.logits_row_indices is _DEFAULT_ROWS and inp.forward_mode in (
+        if inp.logits_row_indices is DEFAULT_ROWS and inp.forward_mode in (
             ForwardMode.EXTEND,
             ForwardMode.DRAFT_EXTEND,
         ):

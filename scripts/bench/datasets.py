@@ -19,6 +19,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from runtime.engine.tokenizer import load_tokenizer
+
 WARMUP_OUTPUT_LEN = 8  # tokens of a static batch's warm-up run, outside every timing
 WARMUP_PROMPTS, WARMUP_PROMPT_OUTPUT_LEN = 4, 4  # a dataset's warm-up run
 
@@ -83,12 +85,6 @@ def read_prompt_file(path: str | Path) -> list[dict]:
     if not records:
         raise ValueError(f"{path} holds no prompts")
     return records
-
-
-def load_tokenizer(path: str):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(path)
 
 
 def model_vocab_size(model_path: str | None, tokenizer) -> int:
@@ -229,7 +225,7 @@ def warmup_subset(dataset: list[tuple[list[int], int]]) -> list[tuple[list[int],
 
 def tokenized_prompt_file(path: str, model_path: str) -> list[list[int]]:
     """Token ids of each prompt of `path`, by the checkpoint's tokenizer (no special tokens)."""
-    tokenizer = load_tokenizer(model_path)
+    tokenizer = load_tokenizer(model_path, required=True)
     return [tokenizer.encode(r["prompt"], add_special_tokens=False) for r in read_prompt_file(path)]
 
 
@@ -256,7 +252,7 @@ def code_prompts(num_prompts: int, prompt_chars: int, holdout_every: int) -> lis
     """The opening `prompt_chars` characters (cut back to a line end) of `num_prompts` evenly
     spaced files the default model held out (the trainer's own split of the standard
     library): in its domain, not in its training data."""
-    from scripts.tiny_training.corpus import split_by_file, stdlib_sources
+    from training.corpus import split_by_file, stdlib_sources
 
     _, held = split_by_file(stdlib_sources(), holdout_every)
     usable = [text for _, text in held if len(text) > prompt_chars]

@@ -12,7 +12,8 @@ from runtime.configs.model_config import ModelConfig
 from runtime.core.forward_mode import CaptureHiddenMode, ForwardMode
 from runtime.distributed import Mapping
 from runtime.engine.worker_factory import draft_class
-from runtime.execution.model_runner import ModelInput, ModelRunner
+from runtime.execution.model_input import ModelInput
+from runtime.execution.model_runner import ModelRunner
 from runtime.model_loader.build import load_model
 from runtime.models.registry import resolve_model_class
 

@@ -16,14 +16,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoTokenizer
 
+from runtime.engine.tokenizer import load_tokenizer
 from runtime.layers import hyper_connection
 from scripts import REPO_ROOT
 from scripts.bench import datasets, hf_baseline
-from scripts.tiny_training.corpus import split_by_file, stdlib_sources
 from tests.server_process import ServerProcess
 from tests.tiny_checkpoints import build_tiny_v4_mtp_checkpoint, save_char_tokenizer
+from training.corpus import split_by_file, stdlib_sources
 
 
 def script(name: str):
@@ -214,7 +214,7 @@ def test_one_batch_prompt_file(ckpt, tmp_path, capsys):
     file_prompts = datasets.tokenized_prompt_file(str(data), str(ckpt))
     batch = datasets.batch_prompts(0, 3, 6, 97, file_prompts)
     texts = {"def fi", "return"}  # "hi" is shorter than input-len, so never used
-    tokenizer = AutoTokenizer.from_pretrained(str(ckpt))
+    tokenizer = load_tokenizer(ckpt, required=True)
     decoded = {tokenizer.decode(ids) for ids in batch}
     assert decoded == texts and all(len(ids) == 6 for ids in batch)
     out = bench.main(

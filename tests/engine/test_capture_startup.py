@@ -39,7 +39,7 @@ def stubbed_compiles(monkeypatch):
         step.fn = getattr(step.fn, "_torchdynamo_orig_callable", step.fn)
         step.state = StepState.READY
 
-    monkeypatch.setattr(GraphRunner, "_compile", fake_compile)
+    monkeypatch.setattr(GraphRunner, "compile_step", fake_compile)
     monkeypatch.delenv(DISABLE_ENV, raising=False)
     return compiled
 

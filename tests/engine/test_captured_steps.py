@@ -29,7 +29,8 @@ from runtime.engine.capture_warmup import captured_runners
 from runtime.execution import compile_worker
 from runtime.execution import graph_runner as graph_runner_mod
 from runtime.execution.graph_runner import GraphRunner, StepState, draft_round_function
-from runtime.execution.model_runner import ModelInput, ModelRunner
+from runtime.execution.model_input import ModelInput
+from runtime.execution.model_runner import ModelRunner
 from runtime.kernels import cpu_extension, tile_product
 from runtime.kernels import grouped_gemm as grouped_gemm_mod
 from runtime.layers import narrow_weights
@@ -299,9 +300,6 @@ def test_captured_decode_matches_eager_logits_with_padding_and_churn(
     config = bucket_config(batch_sizes=(1, BUCKET))
     table, runner, _ = make_runners(path, capture=config, draft=False, narrow=True)
     graph_runner = runner.graph_runner
-    replayed = []
-    run_step = graph_runner._run
-    graph_runner._run = lambda step, *a: replayed.append(step.key.bucket) or run_step(step, *a)
     prompts = prompts_of((30, 7, 66, 12), seed=3)
     live = dict(zip(range(3), prefill(table, runner, prompts[:3])))
     lengths = {i: len(prompts[i]) for i in live}
@@ -321,7 +319,7 @@ def test_captured_decode_matches_eager_logits_with_padding_and_churn(
             [1] * len(order),
         )
         if len(order) == 1:  # bucket 1 still compiling: the step pads into bucket 4
-            graph_runner._step(graph_runner.step_key(inp), None).state = StepState.COMPILING
+            graph_runner.captured_step(graph_runner.step_key(inp)).state = StepState.COMPILING
         rewind = state_rewind(runner.kv_pool)
         runner.graph_runner = None
         eager = runner.forward(inp).next_token_logits
@@ -335,7 +333,9 @@ def test_captured_decode_matches_eager_logits_with_padding_and_churn(
         for i, token in zip(order, eager.argmax(-1).tolist()):
             tokens[i], lengths[i] = token, lengths[i] + 1
     assert [s for _, s, _ in graph_runner.compiled_steps()] == ["ready", "compiling"]
-    assert replayed == [BUCKET] * 8
+    one_request = graph_runner.step_key(inp)  # the last steps' own bucket, still compiling
+    assert one_request.bucket == 1 and graph_runner.captured_step(one_request).runs == 0
+    assert graph_runner.captured_step(dataclasses.replace(one_request, bucket=BUCKET)).runs == 8
 
 
 @pytest.mark.parametrize("family", ["deepseek_v4", "qwen4_exp"])
@@ -352,9 +352,6 @@ def test_captured_draft_round_matches_eager_drafter(family, request):
     )
     graph_runner = GraphRunner(runner, bucket_config(batch_sizes=(1, BUCKET)), 8)
     drafter = MTPDrafter(runner, steps)
-    rounds = []
-    run_step = graph_runner._run
-    graph_runner._run = lambda step, *a: rounds.append(step.key) or run_step(step, *a)
     g = torch.Generator().manual_seed(11)
     prompts = prompts_of((30, 7, 66, 12), seed=5)
 
@@ -406,9 +403,14 @@ def test_captured_draft_round_matches_eager_drafter(family, request):
             gather_rows=accepted,
             propose=[True] * bs,
         )
+        key = graph_runner.round_key(drafter._extend_input(batch), steps)
+        assert key.draft_steps == steps
         if bs == 1:  # bucket 1 still compiling: the round pads into bucket 4
-            key = graph_runner.round_key(drafter._extend_input(batch), steps)
-            graph_runner._step(key, batch.target_hidden).state = StepState.COMPILING
+            graph_runner.captured_step(key, batch.target_hidden).state = StepState.COMPILING
+        bucket_round = graph_runner.captured_step(
+            dataclasses.replace(key, bucket=BUCKET), batch.target_hidden
+        )
+        runs_before = bucket_round.runs
         rewind = state_rewind(runner.kv_pool)
         runner.graph_runner = None
         eager = drafter.draft(batch)
@@ -416,10 +418,10 @@ def test_captured_draft_round_matches_eager_drafter(family, request):
         runner.graph_runner = graph_runner
         captured = drafter.draft(batch)
         assert captured == eager, f"round {step}"
-        assert rounds[-1].draft_steps == steps and rounds[-1].bucket == BUCKET
+        assert bucket_round.runs == runs_before + 1  # the round ran captured, in bucket 4
         for i, m in zip(order, accepted):
             lengths[i] += m + 1
-    assert len(rounds) == 7
+    assert bucket_round.runs == 7  # all seven rounds ran captured
 
 
 # ---------------------------------------------------------------------------------------
@@ -508,7 +510,7 @@ def test_cuda_runner_records_inline_and_warns_about_compiling_on_first_use(caplo
     assert plain.cuda and "CUDA graphs" in plain.describe()
     assert "recorded on first use" in plain.describe()
     recorded = []
-    plain._compile = recorded.append  # what `_schedule` does with a pending step
+    plain.compile_step = recorded.append  # what `_schedule` does with a pending step
     plain._schedule("step")
     assert recorded == ["step"] and plain._worker is None  # no worker thread
     with caplog.at_level("WARNING", logger="runtime.execution.graph_runner"):
@@ -560,12 +562,12 @@ def test_compile_buckets_repeats_every_seen_step_at_each_bucket(tiny_v4, monkeyp
         compiled.append(step.key)
         step.state = StepState.READY
 
-    monkeypatch.setattr(graph_runner, "_compile", fake_compile)
+    monkeypatch.setattr(graph_runner, "compile_step", fake_compile)
     prompts = prompts_of((9,), seed=5)
     reqs = prefill(table, runner, prompts)
     inp = ModelInput(ForwardMode.DECODE, torch.tensor([prompts[0][-1]]), reqs, [9], [1])
     key = graph_runner.step_key(inp)
-    graph_runner._step(key, None).state = StepState.READY  # as if the warm-up had run it
+    graph_runner.captured_step(key).state = StepState.READY  # as if the warm-up had run it
     graph_runner.compile_buckets([1, 2, 4, 8])  # 8 is not one of the runner's buckets
     assert compiled == [dataclasses.replace(key, bucket=b) for b in (2, 4)]
 

@@ -3,8 +3,8 @@
 
 The CPU suite proves the captured steps through `torch.compile`; on a GPU the same static
 steps are recorded into `torch.cuda.CUDAGraph`s and replayed. These tests run only where
-CUDA is available (CI has no GPU; run them on one with
-`python -m pytest -q tests/engine/test_cuda_graphs.py`). Oracle: transformers' `generate`
+CUDA is available (marked `gpu`: CI has no GPU; run them on one with
+`python -m pytest -q -m gpu`). Oracle: transformers' `generate`
 (on the CPU) and the eager engine on the same device.
 """
 
@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from runtime import Engine
 from runtime.configs.capture import DISABLE_ENV
@@ -21,7 +20,7 @@ from tests.engine.conftest import FAMILIES, build_mtp_checkpoint
 from tests.engine.test_captured_steps import GREEDY, prompts_of, staggered_generate
 from tests.engine.test_engine import hf_greedy
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+pytestmark = pytest.mark.gpu
 
 BUCKETS = [1, 4]  # 2 and 3 live requests pad into 4
 NEXTN = {"speculative_algorithm": "NEXTN", "speculative_num_steps": 3}

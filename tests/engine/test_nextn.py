@@ -1,10 +1,14 @@
 # SPDX-License-Identifier: Apache-2.0
-"""NEXTN speculative decoding is lossless: greedy output equals plain greedy decoding,
-sampling reproduces the plain distribution, caches end as plain decoding leaves them."""
+"""NEXTN speculative decoding is lossless: greedy output equals plain greedy decoding, for
+both families (DeepSeek-V4 and Qwen4Exp, over a `family` fixture), with a partly right
+oracle drafter and with the real MTP draft; acceptance, metrics and settings behave.
+(test_nextn_exactness.py: the sampled distribution and the caches after every round.)"""
 
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -13,14 +17,14 @@ from runtime import Engine
 from runtime.core.request import Req
 from runtime.core.sampling_params import SamplingParams
 from runtime.speculative.drafter import MTPDrafter
-from tests.tiny_checkpoints import build_tiny_v4_mtp_checkpoint
+from tests.engine.conftest import FAMILIES
+from tests.tiny_checkpoints import (
+    build_tiny_qwen4_exp_checkpoint,
+    build_tiny_qwen4_exp_mtp_checkpoint,
+    build_tiny_v4_mtp_checkpoint,
+)
 
 GREEDY = {"temperature": 0, "max_new_tokens": 48, "ignore_eos": True}
-
-
-@pytest.fixture(scope="module")
-def mtp_ckpt(tmp_path_factory):
-    return build_tiny_v4_mtp_checkpoint(tmp_path_factory.mktemp("nextn"), seed=7)[0]
 
 
 def make_prompts(count, seed, low=3, high=40, vocab=97):
@@ -29,6 +33,85 @@ def make_prompts(count, seed, low=3, high=40, vocab=97):
         torch.randint(2, vocab, (int(n),), generator=g).tolist()
         for n in torch.randint(low, high, (count,), generator=g)
     ]
+
+
+def prompts_with_eos(count, seed, vocab):
+    """`make_prompts`, with an EOS (id 1) inside every third prompt: Qwen4Exp's PLE n-gram
+    context restarts there."""
+    out = make_prompts(count, seed, vocab=vocab)
+    for p in out[::3]:
+        p[len(p) // 2] = 1
+    return out
+
+
+@dataclass(frozen=True)
+class NextnFamily:
+    """What differs between the families in the lossless-greedy tests."""
+
+    build: Callable  # (path, seed) -> (path, transformers target, transformers MTP holder)
+    seed: int
+    vocab: int
+    prompts: Callable[[int, int], list[list[int]]]  # (count, seed) -> prompts
+    greedy_steps: tuple[int, ...]
+    # the greedy test's oracle also runs the real draft first (its caches written as usual)
+    oracle_after_mtp: bool
+    real_draft_engine: dict  # engine arguments of the real-draft test
+
+
+NEXTN_FAMILIES = {
+    "deepseek_v4": NextnFamily(
+        build=build_tiny_v4_mtp_checkpoint,
+        seed=7,
+        vocab=97,
+        prompts=make_prompts,
+        greedy_steps=(1, 2, 3, 4),
+        oracle_after_mtp=False,
+        real_draft_engine={"page_size": 1},
+    ),
+    "qwen4_exp": NextnFamily(
+        build=build_tiny_qwen4_exp_mtp_checkpoint,
+        seed=9,
+        vocab=128,
+        prompts=lambda count, seed: prompts_with_eos(count, seed, vocab=128),
+        greedy_steps=(1, 2, 3),
+        oracle_after_mtp=True,
+        real_draft_engine={"chunked_prefill_size": 16},
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def family(request) -> str:
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def family_checkpoints(tmp_path_factory):
+    """family -> its tiny MTP checkpoint and plain greedy references, each made on first
+    use and shared by every test of this module."""
+    made: dict = {}
+
+    def checkpoint(family: str):
+        if ("ckpt", family) not in made:
+            spec = NEXTN_FAMILIES[family]
+            path = tmp_path_factory.mktemp(f"nextn_{family}")
+            made["ckpt", family] = spec.build(path, seed=spec.seed)[0]
+        return made["ckpt", family]
+
+    def reference(family: str):
+        if ("reference", family) not in made:
+            made["reference", family] = plain_reference_of(
+                checkpoint(family), NEXTN_FAMILIES[family].prompts(21, 1)
+            )
+        return made["reference", family]
+
+    return checkpoint, reference
+
+
+@pytest.fixture(scope="module")
+def mtp_ckpt(family_checkpoints):
+    """The DeepSeek-V4 checkpoint of the tests that run on one family."""
+    return family_checkpoints[0]("deepseek_v4")
 
 
 class OracleDrafter:
@@ -67,6 +150,18 @@ class GarbageDrafter(OracleDrafter):
         return [[self.rng.randrange(self.vocab) for _ in range(self.steps)] for _ in batch.reqs]
 
 
+class MTPThenOracle:
+    """Runs the real MTP draft (so its caches are written as usual) but proposes the
+    oracle's partly-right tokens, so that rounds accept some drafts and reject others."""
+
+    def __init__(self, mtp, oracle):
+        self.mtp, self.oracle, self.runner = mtp, oracle, mtp.runner
+
+    def draft(self, batch):
+        self.mtp.draft(batch)
+        return self.oracle.draft(batch)
+
+
 def nextn_engine(path, steps=3, page_size=4, **kw):
     return Engine(
         model_path=str(path),
@@ -79,14 +174,18 @@ def nextn_engine(path, steps=3, page_size=4, **kw):
     )
 
 
-@pytest.fixture(scope="module")
-def plain_reference(mtp_ckpt):
-    """Plain greedy outputs (2 extra rounds long, for the oracle) of 21 prompts."""
-    engine = Engine(model_path=str(mtp_ckpt), dtype="float32", page_size=4, max_running_requests=32)
-    prompts = make_prompts(21, seed=1)
+def plain_reference_of(path, prompts):
+    """Plain greedy outputs (2 extra rounds long, for the oracle) of `prompts`."""
+    engine = Engine(model_path=str(path), dtype="float32", page_size=4, max_running_requests=32)
     long = {**GREEDY, "max_new_tokens": GREEDY["max_new_tokens"] + 10}
     outputs = [r["output_ids"] for r in engine.generate(input_ids=prompts, sampling_params=long)]
     return prompts, {tuple(p): p + o for p, o in zip(prompts, outputs)}
+
+
+@pytest.fixture(scope="module")
+def plain_reference(family_checkpoints):
+    """The DeepSeek-V4 references of the tests that run on one family."""
+    return family_checkpoints[1]("deepseek_v4")
 
 
 def run_batches(engine, prompts, sizes=(1, 4, 16)):
@@ -98,14 +197,25 @@ def run_batches(engine, prompts, sizes=(1, 4, 16)):
     return outputs
 
 
-@pytest.mark.parametrize("steps", [1, 2, 3, 4])
+@pytest.mark.parametrize(
+    "family, steps",
+    [(f, steps) for f in FAMILIES for steps in NEXTN_FAMILIES[f].greedy_steps],
+    indirect=["family"],
+)
 @pytest.mark.parametrize("page_size", [1, 4])
-def test_greedy_nextn_equals_plain_greedy(mtp_ckpt, plain_reference, steps, page_size):
-    """21 prompts (3-39 tokens) + 48 new tokens: past the window (8) and several compress
-    boundaries (4, 16), in batches of 1, 4 and 16, with a partially right drafter."""
-    prompts, references = plain_reference
-    engine = nextn_engine(mtp_ckpt, steps, page_size)
-    engine.worker.drafter = OracleDrafter(steps, references, noise=0.3, seed=steps)
+def test_greedy_nextn_equals_plain_greedy(family, family_checkpoints, steps, page_size):
+    """21 prompts (3-39 tokens) + 48 new tokens: for DeepSeek-V4 past the window (8) and
+    several compress boundaries (4, 16), for Qwen4Exp past the QSA budget, with EOS inside
+    some prompts; in batches of 1, 4 and 16, with a partially right drafter (Qwen4Exp's
+    runs the real draft first, so the recurrent draft caches roll back too)."""
+    spec = NEXTN_FAMILIES[family]
+    path = family_checkpoints[0](family)
+    prompts, references = family_checkpoints[1](family)
+    engine = nextn_engine(path, steps, page_size)
+    oracle = OracleDrafter(steps, references, noise=0.3, seed=steps, vocab=spec.vocab)
+    if spec.oracle_after_mtp:
+        oracle = MTPThenOracle(engine.worker.drafter, oracle)
+    engine.worker.drafter = oracle
     start_free = engine.slot_table.allocator.available_tokens()
     outputs = run_batches(engine, prompts)
     for prompt, out in zip(prompts, outputs):
@@ -116,9 +226,12 @@ def test_greedy_nextn_equals_plain_greedy(mtp_ckpt, plain_reference, steps, page
     assert 1.3 < engine.avg_spec_accept_length < steps + 1
 
 
-def test_real_mtp_draft_is_lossless(mtp_ckpt, plain_reference):
-    prompts, references = plain_reference
-    engine = nextn_engine(mtp_ckpt, steps=3, page_size=1)
+@pytest.mark.parametrize("family", FAMILIES, indirect=True)
+def test_real_mtp_draft_is_lossless(family, family_checkpoints):
+    prompts, references = family_checkpoints[1](family)
+    engine = nextn_engine(
+        family_checkpoints[0](family), steps=3, **NEXTN_FAMILIES[family].real_draft_engine
+    )
     assert isinstance(engine.worker.drafter, MTPDrafter)
     outputs = run_batches(engine, prompts)
     for prompt, out in zip(prompts, outputs):
@@ -184,6 +297,13 @@ def test_bad_speculative_settings_fail_clearly(mtp_ckpt, tiny_v4, tmp_path):
     (tmp_path / "c" / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="no MTP \\(NextN\\) draft layer"):
         nextn_engine(tmp_path / "c")
+
+
+def test_qwen4_exp_missing_mtp_weights_fail_clearly(tmp_path):
+    """(DeepSeek-V4's case is in `test_bad_speculative_settings_fail_clearly`.)"""
+    path, _ = build_tiny_qwen4_exp_checkpoint(tmp_path / "no_mtp", seed=2)
+    with pytest.raises(ValueError, match=r"no MTP weights.*drop --speculative-algorithm"):
+        nextn_engine(path, 3)
 
 
 def test_draft_token_count_mismatch_is_corrected(mtp_ckpt, caplog):

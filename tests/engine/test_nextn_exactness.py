@@ -1,9 +1,14 @@
 # SPDX-License-Identifier: Apache-2.0
-"""NEXTN exactness beyond greedy: the sampled-token distribution equals plain sampling's,
-and after every round each cache holds exactly what plain processing of the committed
-tokens leaves."""
+"""NEXTN exactness beyond greedy, for both families (DeepSeek-V4 and Qwen4Exp, over a
+`family` fixture): the sampled-token distribution equals plain sampling's, and after every
+round each cache holds exactly what plain processing of the committed tokens leaves
+(DeepSeek-V4: window KV, compressed entries, compressor and indexer states; Qwen4Exp: the
+Gated DeltaNet conv and recurrent states, the PLE rings, the QSA key cache and the KV)."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -16,18 +21,58 @@ from runtime.core.step_io import Chunk
 from runtime.execution.sampler import SamplingBatch, target_probs
 from runtime.speculative import nextn_worker
 from runtime.speculative.acceptance import VerifyResult
-from tests.engine.test_nextn import OracleDrafter, make_prompts
-from tests.tiny_checkpoints import build_tiny_v4_mtp_checkpoint
+from tests.engine.test_nextn import MTPThenOracle, OracleDrafter, make_prompts, prompts_with_eos
+from tests.tiny_checkpoints import build_tiny_qwen4_exp_mtp_checkpoint, build_tiny_v4_mtp_checkpoint
 
 VOCAB = 8
 
 
+@dataclass(frozen=True)
+class SamplingFamily:
+    """What differs between the families in the sampled-distribution test."""
+
+    build: Callable  # (path, seed, vocab_size=) -> (path, transformers target, MTP holder)
+    seed: int
+    prompt: Callable[[], list[int]]
+    random_seed: int  # the engine's
+
+
+SAMPLING_FAMILIES = {
+    "deepseek_v4": SamplingFamily(
+        build_tiny_v4_mtp_checkpoint,
+        seed=12,
+        prompt=lambda: make_prompts(1, seed=4, vocab=VOCAB, low=9, high=10)[0],
+        random_seed=1234,
+    ),
+    "qwen4_exp": SamplingFamily(
+        build_tiny_qwen4_exp_mtp_checkpoint,
+        seed=13,
+        prompt=lambda: [5, 3, 7, 2, 6, 4, 2, 3, 5],
+        random_seed=7,
+    ),
+}
+
+
 @pytest.fixture(scope="module")
-def small_vocab(tmp_path_factory):
-    path, target, _ = build_tiny_v4_mtp_checkpoint(
-        tmp_path_factory.mktemp("v8"), seed=12, vocab_size=VOCAB
-    )
-    return path, target
+def small_vocab_of(tmp_path_factory):
+    """family -> (path, transformers target) of its 8-token checkpoint, built on first use."""
+    made: dict = {}
+
+    def get(family: str):
+        if family not in made:
+            spec = SAMPLING_FAMILIES[family]
+            path, target, _ = spec.build(
+                tmp_path_factory.mktemp(f"v8_{family}"), seed=spec.seed, vocab_size=VOCAB
+            )
+            made[family] = path, target
+        return made[family]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def small_vocab(small_vocab_of):
+    return small_vocab_of("deepseek_v4")
 
 
 def exact_marginals(hf_model, prompt, params):
@@ -48,14 +93,14 @@ def exact_marginals(hf_model, prompt, params):
     return p1, joint2.sum(0), (joint2.unsqueeze(-1) * p3).sum((0, 1))
 
 
-def sampled_tokens(path, prompt, params, count, steps=2, **engine_args):
+def sampled_tokens(path, prompt, params, count, steps=2, random_seed=1234, **engine_args):
     engine = Engine(
         model_path=str(path),
         dtype="float32",
         page_size=4,
         max_running_requests=count,
         max_total_tokens=count * 24,
-        random_seed=1234,
+        random_seed=random_seed,
         speculative_algorithm="NEXTN",
         speculative_num_steps=steps,
         **engine_args,
@@ -86,11 +131,16 @@ CONFIGS = [
 ]
 
 
-@pytest.mark.parametrize("params", CONFIGS)
-def test_nextn_sampling_matches_the_plain_distribution(small_vocab, params):
-    path, hf_model = small_vocab
-    prompt = make_prompts(1, seed=4, vocab=VOCAB, low=9, high=10)[0]
-    tokens = sampled_tokens(path, prompt, params, count=3000)
+@pytest.mark.parametrize(
+    "family, params",
+    [("deepseek_v4", params) for params in CONFIGS]
+    + [("qwen4_exp", {"temperature": 1.0, "top_p": 0.9})],
+)
+def test_nextn_sampling_matches_the_plain_distribution(small_vocab_of, family, params):
+    path, hf_model = small_vocab_of(family)
+    spec = SAMPLING_FAMILIES[family]
+    prompt = spec.prompt()
+    tokens = sampled_tokens(path, prompt, params, count=3000, random_seed=spec.random_seed)
     pvalues = fit_pvalues(tokens, exact_marginals(hf_model, prompt, params))
     assert min(pvalues) > 1e-3, pvalues
 
@@ -132,7 +182,7 @@ def test_biased_acceptance_is_detected(small_vocab, monkeypatch):
 # rollback: the caches after each round
 
 
-def live_rows(engine, req_pool_idx: int, committed: int) -> dict[str, torch.Tensor]:
+def deepseek_v4_live_rows(engine, req_pool_idx: int, committed: int) -> dict[str, torch.Tensor]:
     """Every cache row a later step can still read, for positions < `committed`."""
     out = {}
     for name, runner in (("target", engine.runner), ("draft", engine.worker.drafter.runner)):
@@ -158,33 +208,89 @@ def live_rows(engine, req_pool_idx: int, committed: int) -> dict[str, torch.Tens
     return out
 
 
-def fresh_prefill_rows(engine, tokens: list[int]) -> dict[str, torch.Tensor]:
+def qwen4_exp_live_rows(engine, slot: int, committed: int) -> dict[str, torch.Tensor]:
+    """Every cache row a later step can read, for positions < `committed`."""
+    out = {}
+    table = engine.slot_table.req_to_token[slot]
+    slots = table[:committed]
+    for name, runner in (("target", engine.runner), ("draft", engine.worker.drafter.runner)):
+        pool = runner.kv_pool
+        for layer in pool.k_cache:
+            out[f"{name}.k.{layer}"] = pool.k_cache[layer][slots]
+            out[f"{name}.v.{layer}"] = pool.v_cache[layer][slots]
+            out[f"{name}.index.{layer}"] = pool.index_cache[layer][slots]
+        req = torch.tensor([slot])
+        for layer in pool.conv_state:
+            pos = torch.arange(max(0, committed - pool.layout.conv_kernel + 1), committed)
+            out[f"{name}.conv.{layer}"] = pool.conv_state[layer][
+                slot * pool.conv_ring + pos % pool.conv_ring
+            ]
+            out[f"{name}.ssm.{layer}"] = pool.ssm_state[layer][req]
+        for layer in pool.ple_tokens:
+            pos = torch.arange(max(0, committed - pool.layout.ngram_size + 1), committed)
+            out[f"{name}.ple_tokens.{layer}"] = pool.ple_tokens[layer][
+                slot * pool.token_ring + pos % pool.token_ring
+            ]
+            pos = torch.arange(max(0, committed - pool.layout.ple_conv_span), committed)
+            out[f"{name}.ple_conv.{layer}"] = pool.ple_conv[layer][
+                slot * pool.ple_conv_ring + pos % pool.ple_conv_ring
+            ]
+    return out
+
+
+ROLLBACK_ROWS = {"deepseek_v4": deepseek_v4_live_rows, "qwen4_exp": qwen4_exp_live_rows}
+
+
+def fresh_prefill_rows(engine, family: str, tokens: list[int]) -> dict[str, torch.Tensor]:
     """Caches after prefilling `tokens` from scratch (target + draft extend)."""
     req = Req("ref", list(tokens), SamplingParams(temperature=0))
     req.req_pool_idx = engine.slot_table.open_request()
     engine.slot_table.reserve(req.req_pool_idx, len(tokens) + engine.worker.reserve_ahead())
     engine.worker.step([Chunk(req, 0, len(tokens))], [])
-    rows = live_rows(engine, req.req_pool_idx, len(tokens))
+    rows = ROLLBACK_ROWS[family](engine, req.req_pool_idx, len(tokens))
     engine.slot_table.release(req.req_pool_idx)
     return rows
 
 
-class MTPThenOracle:
-    """Runs the real MTP draft (so its caches are written as usual) but proposes the
-    oracle's partly-right tokens, so that rounds accept some drafts and reject others."""
+@dataclass(frozen=True)
+class RollbackFamily:
+    """What differs between the families in the caches-after-every-round test."""
 
-    def __init__(self, mtp, oracle):
-        self.mtp, self.oracle, self.runner = mtp, oracle, mtp.runner
+    build: Callable
+    seed: int
+    prompts: Callable[[], list[list[int]]]
+    max_new_tokens: int
+    oracle_seed: int
+    vocab: int
 
-    def draft(self, batch):
-        self.mtp.draft(batch)
-        return self.oracle.draft(batch)
+
+ROLLBACK_FAMILIES = {
+    "deepseek_v4": RollbackFamily(
+        build_tiny_v4_mtp_checkpoint,
+        seed=8,
+        prompts=lambda: make_prompts(3, seed=6, low=10, high=30),
+        max_new_tokens=50,
+        oracle_seed=1,
+        vocab=97,
+    ),
+    "qwen4_exp": RollbackFamily(
+        build_tiny_qwen4_exp_mtp_checkpoint,
+        seed=9,
+        prompts=lambda: prompts_with_eos(21, 1, vocab=128)[:3],
+        max_new_tokens=40,
+        oracle_seed=2,
+        vocab=128,
+    ),
+}
 
 
-@pytest.mark.parametrize("steps", [2, 3])
-def test_caches_after_every_round_equal_plain_processing(tmp_path, steps):
-    path = build_tiny_v4_mtp_checkpoint(tmp_path / "c", seed=8)[0]
-    prompts = make_prompts(3, seed=6, low=10, high=30)
+@pytest.mark.parametrize(
+    "family, steps", [("deepseek_v4", 2), ("deepseek_v4", 3), ("qwen4_exp", 3)]
+)
+def test_caches_after_every_round_equal_plain_processing(tmp_path, family, steps):
+    spec = ROLLBACK_FAMILIES[family]
+    path = spec.build(tmp_path / "c", seed=spec.seed)[0]
+    prompts = spec.prompts()
     plain = Engine(model_path=str(path), dtype="float32", page_size=4)
     references = {
         tuple(p): p + r["output_ids"]
@@ -208,21 +314,25 @@ def test_caches_after_every_round_equal_plain_processing(tmp_path, steps):
 
     engine, reference = spec_engine(), spec_engine()
     engine.worker.drafter = MTPThenOracle(
-        engine.worker.drafter, OracleDrafter(steps, references, noise=0.35, seed=1)
+        engine.worker.drafter,
+        OracleDrafter(steps, references, noise=0.35, seed=spec.oracle_seed, vocab=spec.vocab),
     )
     reqs = [
-        Req(f"r{i}", p, SamplingParams(temperature=0, max_new_tokens=50, ignore_eos=True))
+        Req(
+            f"r{i}",
+            p,
+            SamplingParams(temperature=0, max_new_tokens=spec.max_new_tokens, ignore_eos=True),
+        )
         for i, p in enumerate(prompts)
     ]
     for req in reqs:
         engine.scheduler.add_request(req)
-    rounds = 0
     while engine.scheduler.has_work():
         engine.scheduler.step()
         for req in engine.scheduler.running:
             committed = req.num_cached
-            got = live_rows(engine, req.req_pool_idx, committed)
-            want = fresh_prefill_rows(reference, req.all_ids[:committed])
+            got = ROLLBACK_ROWS[family](engine, req.req_pool_idx, committed)
+            want = fresh_prefill_rows(reference, family, req.all_ids[:committed])
             for key in want:
                 torch.testing.assert_close(
                     got[key],
@@ -231,7 +341,6 @@ def test_caches_after_every_round_equal_plain_processing(tmp_path, steps):
                     rtol=0,
                     msg=lambda m, k=key, c=committed: f"{k} after {c} tokens: {m}",
                 )
-        rounds += 1
     assert sum(1 for r in reqs for m, c in enumerate(r.spec_accept_hist) if 0 < m < steps and c) > 0
     for req in reqs:
         assert req.all_ids == references[tuple(req.prompt_ids)][: len(req.all_ids)]

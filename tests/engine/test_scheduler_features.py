@@ -185,7 +185,7 @@ def test_prompt_logprobs_equal_a_direct_forward(plain):
     entries = out["meta_info"]["input_token_logprobs"]
     assert [t for _, t, _ in entries] == ids[2:]
     from runtime.core.forward_mode import ForwardMode
-    from runtime.execution.model_runner import ModelInput
+    from runtime.execution.model_input import ModelInput
 
     table = plain.slot_table
     req = table.open_request()

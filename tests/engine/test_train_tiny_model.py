@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The tiny-model trainer (`python -m scripts.train_tiny_model`), run for a few steps with
+"""The tiny-model trainer (`python -m training.train_tiny_model`), run for a few steps with
 a tiny shape on a slice of the stdlib, for each family (DeepSeek-V4, Qwen4Exp): its
 checkpoint has the released key set, the runtime serves it (plain and NEXTN), transformers
 loads it, and the MTP it trains is exactly the runtime's draft."""
@@ -14,12 +14,13 @@ import pytest
 import torch
 
 from runtime import Engine
-from scripts import train_tiny_model
-from scripts.tiny_training.corpus import TOKEN_IDS
-from scripts.tiny_training.evaluation import transformers_parity
-from scripts.tiny_training.export import load_checkpoint
-from scripts.tiny_training.families import qwen4_exp
+from runtime.engine.tokenizer import load_tokenizer
 from tests.runners import load_runner
+from training import train_tiny_model
+from training.corpus import TOKEN_IDS
+from training.evaluation import transformers_parity
+from training.export import load_checkpoint
+from training.families import qwen4_exp
 
 TINY_SHAPE = {
     "corpus-limit-files": 24, "vocab-size": 384, "hidden-size": 64, "num-layers": 3,
@@ -115,9 +116,7 @@ def test_released_key_set_matches_the_test_checkpoints(trained, tmp_path):
 
 
 def test_tokenizer_loads_with_chat_template(any_trained):
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(str(any_trained))
+    tokenizer = load_tokenizer(any_trained, required=True)
     assert tokenizer(PROMPT)["input_ids"][0] == tokenizer.bos_token_id == 0
     assert tokenizer.eos_token_id == 1
     text = tokenizer.apply_chat_template(
@@ -152,7 +151,7 @@ def assert_runtime_equals_training_form(checkpoint: Path, draft_cls, seqs) -> No
     from runtime.cache import PagedTokenAllocator, ReqToTokenPool, SlotTable
     from runtime.configs.model_config import ModelConfig
     from runtime.core.forward_mode import CaptureHiddenMode, ForwardMode
-    from runtime.execution.model_runner import ModelInput
+    from runtime.execution.model_input import ModelInput
 
     model = load_checkpoint(checkpoint).eval()
     config = ModelConfig.from_path(checkpoint, "float32")
@@ -215,7 +214,7 @@ def test_chained_training_form_is_the_runtime_draft_chain(trained):
     from runtime.cache import PagedTokenAllocator, ReqToTokenPool, SlotTable
     from runtime.configs.model_config import ModelConfig
     from runtime.core.forward_mode import CaptureHiddenMode, ForwardMode
-    from runtime.execution.model_runner import ModelInput
+    from runtime.execution.model_input import ModelInput
     from runtime.models.deepseek_v4_mtp import DeepseekV4ForCausalLMNextN
 
     passes = 3
@@ -269,12 +268,12 @@ def test_chained_training_form_is_the_runtime_draft_chain(trained):
 
 def test_distillation_fits_a_batch_and_changes_only_the_draft(trained, tmp_path):
     """The distillation loss falls as the MTP fits one batch (its gradient reaches the
-    draft through every chained pass); `scripts.distill_draft` rewrites only `mtp.*`
+    draft through every chained pass); `training.distill_draft` rewrites only `mtp.*`
     tensors, the model's output is unchanged, and the card says what was done."""
     from safetensors.torch import load_file
 
-    from scripts import distill_draft
-    from scripts.tiny_training.draft_distill import distill_loss, freeze_trunk_
+    from training import distill_draft
+    from training.draft_distill import distill_loss, freeze_trunk_
 
     model = load_checkpoint(trained)
     params = freeze_trunk_(model)
@@ -339,7 +338,7 @@ def test_distillation_fits_a_batch_and_changes_only_the_draft(trained, tmp_path)
 
 @pytest.mark.parametrize("flags", [["--eval-threads", "0"], ["--num-steps", "0"]])
 def test_distill_draft_refuses_bad_flags(flags, capsys):
-    from scripts import distill_draft
+    from training import distill_draft
 
     with pytest.raises(SystemExit) as exit_info:
         distill_draft.parse_args(flags)
@@ -384,7 +383,7 @@ def test_qwen_released_keys_load_without_gaps_or_leftovers(qwen_trained):
     from runtime.configs.model_config import ModelConfig
     from runtime.models.qwen4_exp import Qwen4ExpForCausalLM, map_checkpoint_name
     from runtime.models.qwen4_exp_mtp import Qwen4ExpMTP
-    from tests.models.test_qwen4_exp_mtp import released_qwen_mtp_keys
+    from tests.models.test_mtp import released_qwen_mtp_keys
 
     tensors = load_file(str(qwen_trained / "model.safetensors"))
     assert {n for n in tensors if n.startswith("mtp.")} == set(released_qwen_mtp_keys())

@@ -11,11 +11,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from runtime.configs.model_config import ModelConfig
-from runtime.core.forward_mode import ForwardMode
-from runtime.execution.model_runner import ModelInput
 from runtime.model_loader import CheckpointError
 from runtime.models.registry import UnsupportedArchitectureError
-from tests.models.test_deepseek_v4_parity import all_rows, make_runner, random_ids
+from tests.models.parity import make_runner, prompt_logits, random_ids
 from tests.tiny_checkpoints import build_tiny_v4_checkpoint
 
 FP8_MAX = 448.0
@@ -119,19 +117,7 @@ def test_quantized_released_checkpoint_loads(tmp_path, e8m0):
     logits = []
     for directory in (tmp_path / "q", tmp_path / "ref"):
         runner, table = make_runner(directory)
-        req = table.open_request()
-        table.reserve(req, len(ids))
-        out = runner.forward(
-            ModelInput(
-                ForwardMode.EXTEND,
-                ids,
-                [req],
-                [0],
-                [len(ids)],
-                logits_row_indices=all_rows(len(ids)),
-            )
-        )
-        logits.append(out.next_token_logits)
+        logits.append(prompt_logits(runner, table, ids))
     torch.testing.assert_close(logits[0], logits[1], atol=1e-5, rtol=0)
 
 

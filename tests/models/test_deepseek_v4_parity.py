@@ -1,10 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """DeepSeek-V4 target logits against transformers' DeepseekV4ForCausalLM (fp32).
 
-Tolerance: both sides compute in fp32 and differ only in reduction order (fused mHC mixes,
-gathered vs dense attention, grouped vs per-expert GEMMs); over 4 layers that is ~1e-5 on
-logits of magnitude ~5. ATOL = 1e-4 is 10x that and still far below what a wrong mask,
-a dropped compressed entry or a mis-selected top-k produces (differences of 0.5 and more).
+Tolerance: `tests/models/parity.py` (fp32 on both sides, reduction order only).
 """
 
 from __future__ import annotations
@@ -12,47 +9,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime.cache import PagedTokenAllocator, ReqToTokenPool, SlotTable
-from runtime.configs.model_config import ModelConfig
 from runtime.core.forward_mode import CaptureHiddenMode, ForwardMode
-from runtime.execution.model_runner import ModelInput
-from tests.runners import assert_decode_matches, load_runner
-
-ATOL = 1e-4
-
-
-def make_runner(path, page_size=1, max_reqs=8, tokens=1024):
-    config = ModelConfig.from_path(path, "float32")
-    table = SlotTable(
-        ReqToTokenPool(max_reqs, tokens), PagedTokenAllocator(tokens // page_size, page_size)
-    )
-    return load_runner(config, table), table
-
-
-def hf_logits(hf_model, ids: torch.Tensor) -> torch.Tensor:
-    with torch.no_grad():
-        return hf_model(ids.unsqueeze(0)).logits[0]
-
-
-def assert_prefill_matches_transformers(path, hf, ids: torch.Tensor, page_size=1) -> None:
-    """One request's whole-prompt forward: logits of every row equal transformers'."""
-    runner, table = make_runner(path, page_size)
-    req = table.open_request()
-    table.reserve(req, len(ids))
-    out = runner.forward(
-        ModelInput(
-            ForwardMode.EXTEND, ids, [req], [0], [len(ids)], logits_row_indices=all_rows(len(ids))
-        )
-    )
-    torch.testing.assert_close(out.next_token_logits, hf_logits(hf, ids), atol=ATOL, rtol=0)
-
-
-def random_ids(n, seed, vocab=97):
-    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed))
-
-
-def all_rows(n):
-    return list(range(n))
+from runtime.execution.model_input import ModelInput
+from tests.models.parity import (
+    ATOL,
+    all_rows,
+    assert_prefill_matches_transformers,
+    assert_ragged_extend_matches,
+    hf_logits,
+    make_runner,
+    random_ids,
+)
+from tests.runners import assert_decode_matches
 
 
 @pytest.mark.parametrize("fixture", ["tiny_v4", "tiny_v4_hc2"])
@@ -109,21 +77,7 @@ def test_ragged_batch_matches_each_request_alone(tiny_v4_hc2, page_size):
         table.reserve(req, len(seq))
         if done:
             runner.forward(ModelInput(ForwardMode.EXTEND, seq[:done], [req], [0], [done]))
-    ids = torch.cat([s[c : c + e] for s, c, e in zip(seqs, cached, extend)])
-    out = runner.forward(
-        ModelInput(
-            ForwardMode.EXTEND, ids, reqs, cached, extend, logits_row_indices=all_rows(len(ids))
-        )
-    )
-    row = 0
-    for seq, done, new in zip(seqs, cached, extend):
-        torch.testing.assert_close(
-            out.next_token_logits[row : row + new],
-            hf_logits(hf, seq)[done : done + new],
-            atol=ATOL,
-            rtol=0,
-        )
-        row += new
+    assert_ragged_extend_matches(runner, hf, seqs, reqs, cached, extend)
 
 
 @pytest.mark.parametrize("page_size", [1, 5])

@@ -4,7 +4,7 @@
 Sequences run past `indexer_budget + ratio - 1 = 19` visible tokens so the QSA selection is
 really used (dense attention differs by ~0.1 there), with PLE on and off and the output
 gate given explicitly. Tolerance as for DeepSeek-V4: fp32 on both sides, differing only in
-reduction order and in the chunked vs recurrent delta-rule schedule (~1e-6).
+reduction order and in the chunked vs recurrent delta-rule schedule (`tests/models/parity.py`).
 """
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ import torch
 from runtime.cache import PagedTokenAllocator, ReqToTokenPool, SlotTable
 from runtime.configs.model_config import ModelConfig
 from runtime.core.forward_mode import ForwardMode
-from runtime.execution.model_runner import ModelInput
-from tests.models.test_deepseek_v4_parity import (
+from runtime.execution.model_input import ModelInput
+from tests.models.parity import (
     ATOL,
-    all_rows,
     assert_prefill_matches_transformers,
+    assert_ragged_extend_matches,
     hf_logits,
     make_runner,
 )
@@ -79,21 +79,7 @@ def test_ragged_batch_and_chunked_prefill(qwen):
                     ModelInput(ForwardMode.EXTEND, seq[start : start + n], [req], [start], [n])
                 )
                 start += n
-    ids = torch.cat([s[c : c + e] for s, c, e in zip(seqs, cached, extend)])
-    out = runner.forward(
-        ModelInput(
-            ForwardMode.EXTEND, ids, reqs, cached, extend, logits_row_indices=all_rows(len(ids))
-        )
-    )
-    row = 0
-    for seq, done, new in zip(seqs, cached, extend):
-        torch.testing.assert_close(
-            out.next_token_logits[row : row + new],
-            hf_logits(hf, seq)[done : done + new],
-            atol=ATOL,
-            rtol=0,
-        )
-        row += new
+    assert_ragged_extend_matches(runner, hf, seqs, reqs, cached, extend)
 
 
 def test_silu_output_gate(tmp_path):

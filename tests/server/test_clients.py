@@ -63,11 +63,13 @@ def servers():
 @pytest.fixture(scope="module")
 def oracle():
     """(tokenizer, teacher-forced logprobs of ids[1:] given the prefix, from transformers)."""
-    from transformers import AutoTokenizer, DeepseekV4ForCausalLM
+    from transformers import DeepseekV4ForCausalLM
+
+    from runtime.engine.tokenizer import load_tokenizer
 
     model = DeepseekV4ForCausalLM.from_pretrained(str(DEFAULT_MODEL_DIR), dtype=torch.float32)
     model.eval()
-    tokenizer = AutoTokenizer.from_pretrained(str(DEFAULT_MODEL_DIR))
+    tokenizer = load_tokenizer(DEFAULT_MODEL_DIR, required=True)
 
     @torch.no_grad()
     def logprobs(ids: list[int]) -> torch.Tensor:

@@ -148,10 +148,10 @@ def test_a_graph_runner_compile_started_inside_a_captured_call_succeeds(monkeypa
         return key, StepRecipe(name, lambda x: (x * 2 + offset,), lambda bucket: (torch.ones(3),))
 
     key, body = recipe("ready", 1.0)
-    ready = graph_runner._step(key, None, body)
-    graph_runner._compile(ready)
+    ready = graph_runner.captured_step(key, None, body)
+    graph_runner.compile_step(ready)
     key, body = recipe("fresh", 2.0)
-    fresh = graph_runner._step(key, None, body)
+    fresh = graph_runner.captured_step(key, None, body)
     assert ready.state is StepState.READY and fresh.state is StepState.PENDING
     compiled_fn, inside = ready.fn, threading.Event()
 
@@ -168,7 +168,7 @@ def test_a_graph_runner_compile_started_inside_a_captured_call_succeeds(monkeypa
 
     caller, out = run_in_thread(call)
     assert inside.wait(10) and _is_skip_guard_eval_unsafe_stance()
-    graph_runner._compile(fresh)  # as the background thread does
+    graph_runner.compile_step(fresh)  # as the background thread does
     caller.join()
     assert fresh.state is StepState.READY, fresh.error
     assert "error" not in out, out

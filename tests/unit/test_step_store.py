@@ -212,7 +212,7 @@ def recipe_runner(tmp_path, seed: int):
         ForwardMode.DECODE, 1, 1, CaptureHiddenMode.NULL, LOGITS_ALL, False, 0, recipe="test"
     )
     recipe = StepRecipe("test", body, lambda bucket: (torch.zeros(bucket, 8),))
-    return graph_runner, graph_runner._step(key, None, recipe), block
+    return graph_runner, graph_runner.captured_step(key, None, recipe), block
 
 
 @pytest.mark.parametrize("stored", ["matches", "differs", "fails"])
@@ -220,7 +220,7 @@ def test_a_second_graph_runner_loads_the_step_unless_it_differs_from_eager(
     tmp_path, monkeypatch, precompiling, stored
 ):
     first, step, _ = recipe_runner(tmp_path, seed=1)
-    first._compile(step)
+    first.compile_step(step)
     assert step.state is StepState.READY and step.precompiled and not step.loaded
     assert len(list(tmp_path.joinpath("steps").iterdir())) == 1
 
@@ -239,7 +239,7 @@ def test_a_second_graph_runner_loads_the_step_unless_it_differs_from_eager(
 
         monkeypatch.setattr(StepStore, "load", failing_load)
     second, step, block = recipe_runner(tmp_path, seed=2)
-    second._compile(step)
+    second.compile_step(step)
     assert step.state is StepState.READY and step.precompiled
     assert step.loaded is (stored == "matches")
     x = torch.randn(1, 8)

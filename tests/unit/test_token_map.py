@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from runtime.configs.token_map import check_token_map, load_token_map
+from runtime.engine.tokenizer import load_tokenizer
 from runtime.layers.embedding import HotVocabLMHead, ParallelLMHead
-from scripts.tiny_training.hot_vocab import hot_tokens, stream_counts
+from training.hot_vocab import hot_tokens, stream_counts
 
 
 @pytest.mark.parametrize(
@@ -115,8 +116,6 @@ def test_make_token_map_ranks_a_corpus_under_the_models_tokenizer(tmp_path):
     """JSONL records (prompt, messages) and a plain-text directory, counted with the
     embedded model's tokenizer: the table is the brute-force top of those counts plus
     `<|eos|>`, in a file the server loads."""
-    from transformers import AutoTokenizer
-
     from runtime.configs.engine_config import default_model_path
     from scripts import make_token_map
 
@@ -130,7 +129,7 @@ def test_make_token_map_ranks_a_corpus_under_the_models_tokenizer(tmp_path):
     docs.mkdir()
     (docs / "a.py").write_text("import os\nimport sys\nprint(os.getcwd())\n")
     out = tmp_path / "freq.pt"
-    tokenizer = AutoTokenizer.from_pretrained(default_model_path())
+    tokenizer = load_tokenizer(default_model_path(), required=True)
     texts = [
         records[0]["prompt"],
         records[1]["messages"][0]["content"],

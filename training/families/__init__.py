@@ -7,7 +7,7 @@ the same names, so that adding a family is adding one module here:
 - `add_arguments(parser)` (shape and family flags), `model_config(args, vocab, token_ids)`;
 - `TinyModel(config, seed)`: trunk + MTP in training form, `forward(tokens)` -> (trunk
   logits, MTP logits), and optionally `chained_draft(tokens, passes)` (the draft chained
-  as the runtime chains it, for `scripts.distill_draft`); `make_balancer(model, args)` with
+  as the runtime chains it, for `training.distill_draft`); `make_balancer(model, args)` with
   `loss()` and `update()`;
 - `released_state_dict(model)`, `load_released_state_(model, tensors)`: the released
   checkpoint names and dtypes; `hf_causal_lm()`: the transformers class for parity;
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from scripts.tiny_training.families import deepseek_v4, qwen4_exp
+from training.families import deepseek_v4, qwen4_exp
 
 FAMILIES: dict[str, ModuleType] = {family.NAME: family for family in (deepseek_v4, qwen4_exp)}
 

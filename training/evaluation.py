@@ -12,11 +12,11 @@ from pathlib import Path
 
 import torch
 
-from scripts.tiny_training.corpus import checkpoint_corpus, encode_documents
-from scripts.tiny_training.export import load_checkpoint
-from scripts.tiny_training.families import family_of_config
-from scripts.tiny_training.loop import eval_windows, evaluate_heldout, format_metrics
-from scripts.tiny_training.model_card import model_card
+from training.corpus import checkpoint_corpus, encode_documents
+from training.export import load_checkpoint
+from training.families import family_of_config
+from training.loop import eval_windows, evaluate_heldout, format_metrics
+from training.model_card import model_card
 
 
 def eval_prompts(held_sources: list, count: int, min_chars=200, max_chars=320) -> list[str]:
@@ -122,12 +122,11 @@ def _runtime_report(
 def transformers_parity(path: Path, prompts: list[str], new_tokens: int = 32) -> dict:
     """transformers loads the directory (ignoring `mtp.*`), and its greedy `generate`
     equals the runtime's greedy output in fp32."""
-    from transformers import AutoTokenizer
-
     from runtime import Engine
+    from runtime.engine.tokenizer import load_tokenizer
 
     family = family_of_config(json.loads((path / "config.json").read_text()))
-    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    tokenizer = load_tokenizer(path, required=True)
     model = family.hf_causal_lm().from_pretrained(str(path), dtype=torch.float32).eval()
     engine = Engine(model_path=str(path), dtype="float32")
     equal = []

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The Qwen4Exp family of the tiny-model trainer (`python -m scripts.train_tiny_model`): a
+"""The Qwen4Exp family of the tiny-model trainer (`python -m training.train_tiny_model`): a
 tiny Qwen4Exp trunk (transformers' modules, training mode, no cache: Gated DeltaNet and QSA
 attention layers, gated residual streams, MoE with a shared expert, PLE) and one MTP layer
 whose math is exactly the runtime's draft (runtime/models/qwen4_exp_mtp.py, after the
@@ -425,7 +425,7 @@ def card_introduction(config: dict) -> list[str]:
         "# qwen4_exp_tiny: a tiny Qwen4Exp with MTP for nextn-runtime",
         "",
         "A tiny Qwen4Exp (the architecture of Qwen3.8-Flash-Next) with one MTP layer, trained",
-        "from scratch on CPU by `python -m scripts.train_tiny_model --family qwen4_exp` on the",
+        "from scratch on CPU by `python -m training.train_tiny_model --family qwen4_exp` on the",
         "Python standard library, so that NEXTN speculative decoding of the Qwen4Exp family",
         "can be served and measured with drafts worth accepting. It continues Python source with",
         "Python-looking text, often repetitive (minutes of CPU training); it is not an",

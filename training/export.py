@@ -11,19 +11,20 @@ from pathlib import Path
 from torch import nn
 
 from runtime.configs.token_map import CHECKPOINT_KEY
-from scripts import REPO_ROOT
-from scripts.tiny_training.corpus import TOKEN_IDS, Corpus, save_tokenizer
-from scripts.tiny_training.families import FAMILIES, family_of_config
-from scripts.tiny_training.hot_vocab import (
+from training import REPO_ROOT
+from training.corpus import TOKEN_IDS, Corpus, save_tokenizer
+from training.families import FAMILIES, family_of_config
+from training.hot_vocab import (
     HOT_VOCAB_FILE,
     HOT_VOCAB_SIZE,
     hot_tokens,
     stream_counts,
     write_table,
 )
-from scripts.tiny_training.loop import TrainState
+from training.loop import TrainState
 
-TRAINER_MODULE = "scripts.train_tiny_model"
+TRAINER_MODULE = "training.train_tiny_model"
+DISTILLER_MODULE = "training.distill_draft"
 
 
 def count_parameters(model: nn.Module) -> dict[str, int]:

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The DeepSeek-V4 family of the tiny-model trainer (`python -m scripts.train_tiny_model`):
+"""The DeepSeek-V4 family of the tiny-model trainer (`python -m training.train_tiny_model`):
 a tiny DeepSeek-V4 trunk (transformers' modules, training mode, no cache) and one MTP layer
 whose math is exactly the runtime's draft (runtime/models/deepseek_v4_mtp.py):
 
@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from runtime.models.deepseek_v4 import hf_to_released_name
-from scripts import REPO_ROOT
+from training import REPO_ROOT
 
 NAME = "deepseek_v4"
 MODEL_TYPE = "deepseek_v4"
@@ -514,7 +514,7 @@ def card_introduction(config: dict) -> list[str]:
         "# deepseek_v4_tiny: the embedded default model of nextn-runtime",
         "",
         "A tiny DeepSeek-V4 with one MTP (NextN) layer, trained from scratch on CPU by",
-        "`scripts/train_tiny_model.py` on the Python standard library. It exists so that the",
+        "`training/train_tiny_model.py` on the Python standard library. It exists so that the",
         "runtime serves something by default and NEXTN speculative decoding has drafts worth",
         "accepting. It continues Python source with Python-looking text, often repetitive",
         "(an hour of CPU training); it is not an assistant (the chat template only frames",

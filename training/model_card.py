@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import math
 
-from scripts.tiny_training.export import TRAINER_MODULE
-from scripts.tiny_training.families import family_of_config
-from scripts.tiny_training.hot_vocab import HOT_VOCAB_FILE, HOT_VOCAB_SIZE
+from training.export import DISTILLER_MODULE, TRAINER_MODULE
+from training.families import family_of_config
+from training.hot_vocab import HOT_VOCAB_FILE, HOT_VOCAB_SIZE
 
 
 def _card_data_lines(config: dict, summary: dict) -> list[str]:
@@ -91,14 +91,25 @@ def _card_parity_line(hf_class: str, parity: dict) -> str:
     )
 
 
+# commands recorded before the trainer had a package of its own (`scripts/`), as run now
+_MOVED_COMMANDS = {
+    "scripts/train_tiny_model.py": f"-m {TRAINER_MODULE}",
+    "-m scripts.train_tiny_model": f"-m {TRAINER_MODULE}",
+    "-m scripts.distill_draft": f"-m {DISTILLER_MODULE}",
+}
+
+
+def current_command(command: str) -> str:
+    """A recorded command (after `python`) as it runs from the repository root today."""
+    for old, new in _MOVED_COMMANDS.items():
+        if command == old or command.startswith(old + " "):
+            return new + command.removeprefix(old)
+    return command
+
+
 def _trainer_command(summary: dict) -> str:
-    """The training command as run from the repository root. Checkpoints trained before the
-    scripts became a package recorded the file path (`scripts/train_tiny_model.py ...`)."""
-    command = summary["command"]
-    legacy = "scripts/train_tiny_model.py"
-    if command.startswith(legacy):
-        command = f"-m {TRAINER_MODULE}" + command.removeprefix(legacy)
-    return f"python {command}"
+    """The training command as run from the repository root."""
+    return f"python {current_command(summary['command'])}"
 
 
 def _card_reproduce_lines(summary: dict) -> list[str]:
@@ -108,7 +119,7 @@ def _card_reproduce_lines(summary: dict) -> list[str]:
         "",
         "```bash",
         _trainer_command(summary),
-        *(f"python {round_['command']}" for round_ in _distillation_rounds(summary)),
+        *(f"python {current_command(r['command'])}" for r in _distillation_rounds(summary)),
         f"python -m {TRAINER_MODULE} --evaluate-only {summary['output_dir']}",
         "```",
         "",
@@ -153,17 +164,17 @@ def model_card(config: dict, summary: dict, report: dict | None, parity: dict | 
 
 
 def _distillation_rounds(summary: dict) -> list[dict]:
-    """The `scripts.distill_draft` runs on this checkpoint, in order."""
+    """The `training.distill_draft` runs on this checkpoint, in order."""
     latest = summary.get("draft_distillation")
     return [*summary.get("earlier_draft_distillations", []), *([latest] if latest else [])]
 
 
 def _card_distillation_lines(rounds: list[dict]) -> list[str]:
-    """What `scripts.distill_draft` did to the draft, with its held-out chain agreement."""
+    """What `training.distill_draft` did to the draft, with its held-out chain agreement."""
     runs = [
-        f"`python {r['command']}` ({r['steps']} steps in {r['minutes']:.1f} minutes on "
-        f"{r['threads']} CPU threads, batch {r['batch_size']} x {r['seq_len']} tokens of the "
-        f"train split, AdamW, peak lr {r['lr']:g}, seed {r['seed']})"
+        f"`python {current_command(r['command'])}` ({r['steps']} steps in "
+        f"{r['minutes']:.1f} minutes on {r['threads']} CPU threads, batch {r['batch_size']} x "
+        f"{r['seq_len']} tokens of the train split, AdamW, peak lr {r['lr']:g}, seed {r['seed']})"
         for r in rounds
     ]
     first = rounds[0]

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from scripts.tiny_training.families import FAMILIES
+from training.families import FAMILIES
 
 STATE_FILE = "train_state.pt"
 

@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 """Self-distillation of a trained checkpoint's MTP draft, the trunk frozen
-(`python -m scripts.distill_draft`).
+(`python -m training.distill_draft`).
 
 Joint training teaches the MTP one thing: the token after next from the trunk's streams.
 Served with `--speculative-num-steps 3`, the draft also runs chained: its second and third
@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from scripts.tiny_training.loop import TrainState, budget_left, start_step
+from training.loop import TrainState, budget_left, start_step
 
 
 def distill_loss(trunk_logits: torch.Tensor, draft_logits: torch.Tensor) -> torch.Tensor:

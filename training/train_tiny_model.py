@@ -6,7 +6,7 @@ The corpus is the Python standard library of the running interpreter (offline ev
 split by file into train and held-out parts. The trainer fits a byte-level BPE tokenizer,
 then the family's trunk (transformers' modules, training mode, no cache) together with one
 MTP layer whose math is exactly the runtime's draft. This file is only the command line;
-`scripts.tiny_training` holds the stages (corpus, families, loop, export, evaluation,
+`training` holds the stages (corpus, families, loop, export, evaluation,
 model_card).
 
 Loss = CE(trunk, t_{i+1}) + mtp_weight * CE(MTP, t_{i+2}) (+ the family's router balancing
@@ -14,10 +14,10 @@ term). The output directory is a released-naming checkpoint (bf16 safetensors, `
 included), config.json, the tokenizer and a README model card with held-out losses and the
 runtime's measured NEXTN acceptance and speed.
 
-    python -m scripts.train_tiny_model --max-minutes 60           # train, export, evaluate
-    python -m scripts.train_tiny_model --resume --max-minutes 90  # continue from --work-dir
-    python -m scripts.train_tiny_model --evaluate-only runtime/assets/deepseek_v4_tiny
-    python -m scripts.train_tiny_model --family qwen4_exp --output-dir /ckpt/qwen4_exp_tiny
+    python -m training.train_tiny_model --max-minutes 60           # train, export, evaluate
+    python -m training.train_tiny_model --resume --max-minutes 90  # continue from --work-dir
+    python -m training.train_tiny_model --evaluate-only runtime/assets/deepseek_v4_tiny
+    python -m training.train_tiny_model --family qwen4_exp --output-dir /ckpt/qwen4_exp_tiny
 """
 
 from __future__ import annotations
@@ -36,30 +36,30 @@ from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 
-from scripts.tiny_training.corpus import (  # noqa: E402
+from training.corpus import (  # noqa: E402
     DEFAULT_HOLDOUT_EVERY,
     TOKEN_IDS,
     prepare_corpus,
 )
-from scripts.tiny_training.evaluation import (  # noqa: E402
+from training.evaluation import (  # noqa: E402
     add_evaluation_arguments,
     evaluate_checkpoint,
 )
-from scripts.tiny_training.export import (  # noqa: E402
+from training.export import (  # noqa: E402
     count_parameters,
     export_checkpoint,
     export_hot_vocab,
     training_summary,
 )
-from scripts.tiny_training.families import FAMILIES  # noqa: E402
-from scripts.tiny_training.loop import (  # noqa: E402
+from training.families import FAMILIES  # noqa: E402
+from training.loop import (  # noqa: E402
     STATE_FILE,
     eval_windows,
     train,
     warn_if_slow_precision,
 )
 
-PROG = "scripts.train_tiny_model"
+PROG = "training.train_tiny_model"
 
 
 def _family_flag(parser) -> None:

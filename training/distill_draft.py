@@ -1,12 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
 """Distill a tiny checkpoint's MTP draft from its own frozen trunk, trained as the runtime
-chains it (`scripts/tiny_training/draft_distill.py` has the method and its sources). The
+chains it (`training/draft_distill.py` has the method and its sources). The
 trunk's weights, and so the model's output, stay as they were; the drafts' acceptance
 rises. Writes the checkpoint (default: in place), then re-evaluates it as the trainer does
 (held-out figures, the runtime's NEXTN acceptance and speed, the model card).
 
-    python -m scripts.distill_draft --max-minutes 40     # the embedded default model
-    python -m scripts.distill_draft --model-path DIR --output-dir OUT --max-steps 200
+    python -m training.distill_draft --max-minutes 40     # the embedded default model
+    python -m training.distill_draft --model-path DIR --output-dir OUT --max-steps 200
 """
 
 from __future__ import annotations
@@ -24,16 +24,16 @@ from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 
-from scripts.tiny_training.corpus import checkpoint_corpus, encode_documents  # noqa: E402
-from scripts.tiny_training.draft_distill import chain_agreement, distill  # noqa: E402
-from scripts.tiny_training.evaluation import (  # noqa: E402
+from training.corpus import checkpoint_corpus, encode_documents  # noqa: E402
+from training.draft_distill import chain_agreement, distill  # noqa: E402
+from training.evaluation import (  # noqa: E402
     add_evaluation_arguments,
     evaluate_checkpoint,
 )
-from scripts.tiny_training.export import export_checkpoint, load_checkpoint  # noqa: E402
-from scripts.tiny_training.families import deepseek_v4  # noqa: E402
+from training.export import DISTILLER_MODULE, export_checkpoint, load_checkpoint  # noqa: E402
+from training.families import deepseek_v4  # noqa: E402
 
-PROG = "scripts.distill_draft"
+PROG = DISTILLER_MODULE
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -71,7 +71,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> dict:
-    from scripts.tiny_training.loop import eval_windows
+    from training.loop import eval_windows
 
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
