@@ -6,7 +6,7 @@ streams, one and twenty Sinkhorn iterations; the Triton kernels of `nextn::hc_pr
 `nextn::hc_post` the same way, on CPU tensors through Triton's interpreter (in a child
 process: `TRITON_INTERPRET` must be set before the kernels are defined) or on a GPU where
 there is one; the fake implementations against the real outputs; and a compiled step
-holding each operator as one node (its torch form not traced).
+holding each operator as one node (its torch form not traced), RMSNorm's kernel too.
 
 Tolerances are the Sinkhorn kernel's test's (only the order of sums and the exponential's
 last bit differ); bf16 results are the fp32 result rounded once (within one bf16 step).
@@ -198,6 +198,25 @@ def test_compiled_sub_block_holds_each_operator_as_one_node(kernels, monkeypatch
     targets = traced_targets(sub_block, *args)
     assert not any("hc_pre" in t or "hc_post" in t for t in targets), targets
     assert len(targets) > 80
+
+
+def test_compiled_norms_hold_the_kernel_as_one_node(kernels, monkeypatch):
+    """RMSNorm of fp32 rows in a compiled step: `nextn_cpu::rms_norm`, the eager steps'
+    kernel (same values captured and eager); without the kernels, the torch form."""
+    from runtime.layers.norm import RMSNorm, WeightlessRMSNorm
+
+    norm, weightless = RMSNorm(32, 1e-6), WeightlessRMSNorm(1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(32) + 0.5)
+    x = torch.randn(3, 4, 32)
+    targets = traced_targets(lambda x: weightless(norm(x)), x)
+    assert targets == ["nextn_cpu.rms_norm"] * 2, targets
+    with torch.no_grad():
+        compiled = torch.compile(lambda x: weightless(norm(x)), backend="eager")(x)
+        assert torch.equal(compiled, weightless(norm(x)))
+    monkeypatch.setitem(cpu_extension._state, "available", False)
+    targets = traced_targets(lambda x: weightless(norm(x)), x)
+    assert "nextn_cpu.rms_norm" not in targets and any("rsqrt" in t for t in targets), targets
 
 
 # the Triton kernels (interpreted on CPU, or on a GPU) ------------------------------------
