@@ -9,7 +9,7 @@ All mixing weights are computed per token in fp32 from the flattened streams.
 `hc_pre` and `hc_post` are one operator each where a kernel serves the streams, eagerly
 and in captured steps alike (`runtime.kernels.hc_pre`, `runtime.kernels.stream_expand`:
 C++ on CPU with the project's kernels loaded, Triton on CUDA): a captured step then holds
-two nodes per sub-block instead of ~110. Otherwise (no kernels, `NEXTN_DISABLE_CPU_KERNELS=1`,
+two nodes per sub-block instead of ~100. Otherwise (no kernels, `NEXTN_DISABLE_CPU_KERNELS=1`,
 grad wanted, other dtypes) they run their torch forms below, and when compiled `hc_pre` is
 a nested compile region (`COMPILE_HC_PRE_ONCE`): a captured step calls it twice per layer,
 and the compiler traces and compiles its ~140 operators (mostly Sinkhorn's 20 iterations)
