@@ -39,6 +39,9 @@ setup(
             "requests>=2.31",
             "matplotlib>=3.7",
             "jsonschema>=4",
+            # the Triton kernels run on CPU tensors through its interpreter in the tests
+            # (TRITON_INTERPRET=1); on CUDA torch brings its own
+            'triton==3.9.0; platform_system=="Linux" and platform_machine=="x86_64"',
         ],
     },
     entry_points={"console_scripts": ["launch_server=runtime.launch_server:main"]},

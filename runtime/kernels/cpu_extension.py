@@ -12,8 +12,10 @@ torch ops the same way):
   GEMM, the second one per group of sorted rows (`runtime.kernels.dense_product`);
 * `indexer_topk`: the indexer's top-k with transformers' ties
   (`runtime.kernels.indexer_topk`), the same ATen calls as its Python body;
-* `hc_post` and `sinkhorn`: mHC's stream expansion and Sinkhorn normalisation at eager
-  prefill sizes (`runtime.kernels.stream_expand`, `runtime.kernels.sinkhorn`).
+* `hc_pre`, `hc_post` and `sinkhorn`: mHC's collapse of the streams (mixing weights,
+  Sinkhorn, weighted sum), stream expansion and Sinkhorn normalisation, the first two in
+  captured steps too (`runtime.kernels.hc_pre`, `runtime.kernels.stream_expand`,
+  `runtime.kernels.sinkhorn`).
 
 `load` builds the extension with `torch.utils.cpp_extension` (about 20 s once per machine,
 then loaded from its build directory) and registers the fakes; the graph runner calls it
@@ -135,6 +137,7 @@ def _build(cache_dir: Path | str | None) -> None:
     torch.library.register_fake("nextn_cpu::indexer_topk")(_indexer_topk_fake)
     torch.library.register_fake("nextn_cpu::hc_post")(_hc_post_fake)
     torch.library.register_fake("nextn_cpu::sinkhorn")(_sinkhorn_fake)
+    torch.library.register_fake("nextn_cpu::hc_pre")(_hc_pre_fake)
     torch.library.register_fake("nextn_cpu::rms_norm")(_rms_norm_fake)
     torch.library.register_fake("nextn_cpu::swiglu")(_swiglu_fake)
     torch.library.register_fake("nextn_cpu::tile_product")(_tile_product_fake)
@@ -187,6 +190,16 @@ def _indexer_topk_fake(scores, lengths, visible, k):
 
 def _hc_post_fake(block, residual, post, comb):
     return torch.empty_like(residual)
+
+
+def _hc_pre_fake(x, fn, scale, base, norm_eps, hc_eps, iters):
+    tokens, streams, hidden = x.shape
+    fp32 = torch.float32
+    return (
+        x.new_empty((tokens, hidden)),
+        x.new_empty((tokens, streams), dtype=fp32),
+        x.new_empty((tokens, streams, streams), dtype=fp32),
+    )
 
 
 def _rms_norm_fake(x, weight, eps):

@@ -6,11 +6,16 @@ The residual is `hc` parallel streams `X [T, hc, H]`. Around each sub-block:
     X' = post * block(y) + comb^T X      expand the output and mix the old streams
 All mixing weights are computed per token in fp32 from the flattened streams.
 
-When compiled, `hc_pre` is a nested compile region (`COMPILE_HC_PRE_ONCE`): a captured step
-calls it twice per layer, and the compiler traces and compiles its ~140 operators (mostly
-Sinkhorn's 20 iterations) once for all call sites instead of once per site, which halves
-the compile time of a decode step. Inductor's C++ wrapper cannot call such a region yet,
-so the graph runner turns it off when it compiles with `cpp_wrapper`.
+`hc_pre` and `hc_post` are one operator each where a kernel serves the streams, eagerly
+and in captured steps alike (`runtime.kernels.hc_pre`, `runtime.kernels.stream_expand`:
+C++ on CPU with the project's kernels loaded, Triton on CUDA): a captured step then holds
+two nodes per sub-block instead of ~100. Otherwise (no kernels, `NEXTN_DISABLE_CPU_KERNELS=1`,
+grad wanted, other dtypes) they run their torch forms below, and when compiled `hc_pre` is
+a nested compile region (`COMPILE_HC_PRE_ONCE`): a captured step calls it twice per layer,
+and the compiler traces and compiles its ~140 operators (mostly Sinkhorn's 20 iterations)
+once for all call sites instead of once per site, which halves the compile time of a
+decode step. Inductor's C++ wrapper cannot call such a region yet, so the graph runner
+turns it off when it compiles with `cpp_wrapper`.
 """
 
 from __future__ import annotations
@@ -19,7 +24,8 @@ import torch
 import torch.nn.functional as F
 
 from runtime.core.capture import compiling
-from runtime.kernels import cpu_extension
+from runtime.kernels import hc_pre as hc_pre_kernel
+from runtime.kernels import stream_expand
 from runtime.kernels.sinkhorn import sinkhorn
 from runtime.kernels.stream_expand import expand_streams
 from runtime.layers.norm import rms_normalize
@@ -40,7 +46,6 @@ def _mixes(x: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
 
 
 COMPILE_HC_PRE_ONCE = True
-EXPANDED_DTYPES = (torch.float32, torch.bfloat16)  # the stream expansion kernel's
 
 
 def hc_pre(
@@ -57,6 +62,8 @@ def hc_pre(
     Returns `y [T, H]` (x's dtype), `post [T, hc]` and `comb [T, hc, hc]` (fp32), where
     `comb[t, i, o]` weighs input stream i into output stream o.
     """
+    if hc_pre_kernel.uses_kernel(x):
+        return hc_pre_kernel.hc_pre(x, fn, scale, base, norm_eps, hc_eps, sinkhorn_iters)
     compute = _hc_pre_region if COMPILE_HC_PRE_ONCE and compiling() else _hc_pre
     return compute(x, fn, scale, base, norm_eps, hc_eps, sinkhorn_iters)
 
@@ -90,18 +97,14 @@ def hc_post(
 ) -> torch.Tensor:
     """`X'[o] = post[o] * block_out + sum_i comb[i, o] * residual[i]` -> [T, hc, H].
 
-    Eagerly on CPU with the C++ kernels loaded, their one pass over the streams
-    (`runtime.kernels.stream_expand`); otherwise the mixed streams are written by the
-    product and the expanded block output is added onto them in place by `addcmul_` (same
-    values; at prefill sizes this step is bound by its passes over `[T, hc, H]`, and a
-    separate product, expansion and addition make twice as many). Compiled steps keep the
-    form the compiler fuses."""
+    Where a kernel serves the streams, its one pass over them, eagerly and in captured steps
+    (`runtime.kernels.stream_expand`); otherwise eagerly the mixed streams are written by
+    the product and the expanded block output is added onto them in place by `addcmul_`
+    (same values; at prefill sizes this step is bound by its passes over `[T, hc, H]`, and
+    a separate product, expansion and addition make twice as many), and compiled steps keep
+    the form the compiler fuses."""
     dtype = residual.dtype
-    if (
-        residual.dtype in EXPANDED_DTYPES
-        and block_out.dtype == dtype
-        and cpu_extension.serves_eagerly(residual)
-    ):
+    if stream_expand.uses_kernel(block_out, residual):
         return expand_streams(block_out, residual, post, comb)
     if compiling():
         # the 4 x 4 mix as products and a sum the compiler fuses with the addition: a batched

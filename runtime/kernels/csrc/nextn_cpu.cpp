@@ -11,8 +11,9 @@
 //
 // nextn_cpu::indexer_topk: runtime/kernels/indexer_topk.py's op body as ATen calls.
 //
-// nextn_cpu::hc_post and nextn_cpu::sinkhorn: mHC's stream expansion and Sinkhorn
-// normalisation for eager prefill (runtime/kernels/stream_expand.py, sinkhorn.py).
+// nextn_cpu::hc_pre, hc_post and sinkhorn: mHC's collapse of the streams (mixing weights,
+// Sinkhorn and the weighted sum in one call), stream expansion and Sinkhorn normalisation,
+// eager and in captured steps (runtime/kernels/hc_pre.py, stream_expand.py, sinkhorn.py).
 //
 // nextn_cpu::rms_norm and swiglu: RMSNorm and the clamped SwiGLU of fp32 rows in one pass
 // (runtime/kernels/rms_norm.py, swiglu.py).
@@ -715,18 +716,11 @@ at::Tensor swiglu(const at::Tensor& gate, const at::Tensor& up, c10::optional<do
 // by the compiler) instead of a reduction over n elements.
 constexpr int64_t kLanesSk = 16;
 
-at::Tensor sinkhorn(const at::Tensor& logits, int64_t iters, double eps_d) {
-  TORCH_CHECK(logits.dim() >= 2 && logits.size(-1) == logits.size(-2), "sinkhorn: [..., n, n]");
-  TORCH_CHECK(logits.scalar_type() == at::kFloat, "sinkhorn: float32 logits");
-  TORCH_CHECK(iters >= 1, "sinkhorn: iters >= 1");
-  const int64_t n = logits.size(-1);
-  at::Tensor lc = logits.contiguous();
-  at::Tensor out = at::empty_like(lc);
-  const int64_t nn = n * n, R = n == 0 ? 0 : lc.numel() / nn;
-  if (R == 0) return out;
-  const float eps = static_cast<float>(eps_d);
-  const float* src = lc.data_ptr<float>();
-  float* dst = out.data_ptr<float>();
+// R matrices [n, n] from src to dst (which may be src: each block of kLanesSk matrices is
+// read into the buffer before it is written back).
+void sinkhorn_rows(const float* src, float* dst, int64_t R, int64_t n, int64_t iters,
+                   float eps) {
+  const int64_t nn = n * n;
   at::parallel_for(0, (R + kLanesSk - 1) / kLanesSk, 4, [&](int64_t begin, int64_t end) {
     std::vector<float> buf(nn * kLanesSk), sum(kLanesSk), top(kLanesSk);
     for (int64_t blk = begin; blk < end; ++blk) {
@@ -779,7 +773,171 @@ at::Tensor sinkhorn(const at::Tensor& logits, int64_t iters, double eps_d) {
         for (int64_t e = 0; e < nn; ++e) dst[(r0 + l) * nn + e] = c[e * kLanesSk + l];
     }
   });
+}
+
+at::Tensor sinkhorn(const at::Tensor& logits, int64_t iters, double eps_d) {
+  TORCH_CHECK(logits.dim() >= 2 && logits.size(-1) == logits.size(-2), "sinkhorn: [..., n, n]");
+  TORCH_CHECK(logits.scalar_type() == at::kFloat, "sinkhorn: float32 logits");
+  TORCH_CHECK(iters >= 1, "sinkhorn: iters >= 1");
+  const int64_t n = logits.size(-1);
+  at::Tensor lc = logits.contiguous();
+  at::Tensor out = at::empty_like(lc);
+  const int64_t R = n == 0 ? 0 : lc.numel() / (n * n);
+  if (R == 0) return out;
+  sinkhorn_rows(lc.data_ptr<float>(), out.data_ptr<float>(), R, n, iters,
+                static_cast<float>(eps_d));
   return out;
+}
+
+// out[t][m] = w[m] . rows[t] for m < M (w [M, K]) and the `count` (<= kMixTokens) rows:
+// four rows of w times the rows at once, so that each chunk of w is loaded once for all
+// of them (w is read from cache once per tile of tokens, not once per token). `rows` holds
+// kMixTokens pointers (those past `count` repeat a valid row; their sums are dropped).
+// Each sum's order depends only on K, never on how many rows share the pass.
+constexpr int64_t kMixTokens = 4;
+
+inline void dot_rows(const float* w, const float* const* rows, int64_t count, int64_t M,
+                     int64_t K, float* out) {
+  int64_t m0 = 0;
+#if defined(NARROW_AVX512) || defined(NARROW_AVX2)
+  constexpr int64_t R = 4;
+  for (; m0 + R <= M; m0 += R) {
+    const float* wr = w + m0 * K;
+    VecF acc[R][kMixTokens];
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t t = 0; t < kMixTokens; ++t) acc[r][t] = zero();
+    int64_t d = 0;
+    for (; d + kLanes <= K; d += kLanes) {
+      VecF xv[kMixTokens];  // all kMixTokens lanes (constant trip counts keep acc in registers)
+      for (int64_t t = 0; t < kMixTokens; ++t) xv[t] = load(rows[t] + d);
+      for (int64_t r = 0; r < R; ++r) {
+        const VecF wv = load(wr + r * K + d);
+        for (int64_t t = 0; t < kMixTokens; ++t) acc[r][t] = fma(wv, xv[t], acc[r][t]);
+      }
+    }
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t t = 0; t < count; ++t) {
+        float s = hsum(acc[r][t]);
+        for (int64_t e = d; e < K; ++e) s += wr[r * K + e] * rows[t][e];
+        out[t * M + m0 + r] = s;
+      }
+  }
+#endif
+  for (; m0 < M; ++m0)
+    for (int64_t t = 0; t < count; ++t) out[t * M + m0] = dot_lanes(w + m0 * K, rows[t], K);
+}
+
+// row . row, in vector lanes where the build has them (the order depends only on K)
+inline float square_sum(const float* row, int64_t K) {
+  int64_t d = 0;
+  float s = 0.0f;
+#if defined(NARROW_AVX512) || defined(NARROW_AVX2)
+  VecF acc = zero();
+  for (; d + kLanes <= K; d += kLanes) {
+    const VecF v = load(row + d);
+    acc = fma(v, v, acc);
+  }
+  s = hsum(acc);
+#endif
+  for (; d < K; ++d) s += row[d] * row[d];
+  return s;
+}
+
+// runtime/kernels/hc_pre.py: mHC's collapse of the streams x [T, S, H] (fp32 or bf16) before
+// a sub-block, per token: mixes = (fn @ flat(x)) * rsqrt(mean(flat(x)^2) + norm_eps) (the
+// scale after the product, as the eager torch form), pre = sigmoid(mixes[:S] * scale[0] +
+// base[:S]) + hc_eps, post = 2 sigmoid(mixes[S:2S] * scale[1] + base[S:2S]), comb =
+// sinkhorn(mixes[2S:] * scale[2] + base[2S:]) and y = sum_i pre[i] x[i] (fp32 sums in the
+// order i = 0, 1, ..., one rounding to x's dtype). fn [S(2+S), S H], scale [3], base
+// [S(2+S)] fp32 -> y [T, H] (x's dtype), post [T, S], comb [T, S, S] (fp32). Tokens go in
+// tiles of kMixTokens, whose streams stay in cache from the mixes to the collapse; a
+// token's results do not depend on the tokens beside it.
+template <typename scalar_t>
+void collapse_streams(const scalar_t* x, const float* fn, const float* scale, const float* base,
+                      float norm_eps, float hc_eps, scalar_t* y, float* post, float* logits,
+                      int64_t T, int64_t S, int64_t H) {
+  const int64_t K = S * H, M = S * (2 + S);
+  constexpr bool kWide = std::is_same<scalar_t, float>::value;
+  const int64_t tiles = (T + kMixTokens - 1) / kMixTokens;
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> widened(kWide ? 0 : kMixTokens * K);
+    std::vector<float> mix(kMixTokens * M), pre(S), acc(H);
+    const float* rows[kMixTokens];
+    for (int64_t tile = begin; tile < end; ++tile) {
+      const int64_t t0 = tile * kMixTokens, count = std::min(kMixTokens, T - t0);
+      for (int64_t u = 0; u < count; ++u) {
+        const scalar_t* xt = x + (t0 + u) * K;
+        if constexpr (kWide) {
+          rows[u] = xt;
+        } else {
+          float* wide = widened.data() + u * K;
+          for (int64_t k = 0; k < K; ++k) wide[k] = static_cast<float>(xt[k]);
+          rows[u] = wide;
+        }
+      }
+      for (int64_t u = count; u < kMixTokens; ++u) rows[u] = rows[0];
+      dot_rows(fn, rows, count, M, K, mix.data());
+      for (int64_t u = 0; u < count; ++u) {
+        const int64_t t = t0 + u;
+        const float* row = rows[u];
+        float* m = mix.data() + u * M;
+        const float r = 1.0f / std::sqrt(square_sum(row, K) / static_cast<float>(K) + norm_eps);
+        for (int64_t e = 0; e < M; ++e) m[e] *= r;
+        for (int64_t i = 0; i < S; ++i) {
+          pre[i] = 1.0f / (1.0f + std::exp(-(m[i] * scale[0] + base[i]))) + hc_eps;
+          post[t * S + i] = 2.0f / (1.0f + std::exp(-(m[S + i] * scale[1] + base[S + i])));
+        }
+        for (int64_t e = 0; e < S * S; ++e)
+          logits[t * S * S + e] = m[2 * S + e] * scale[2] + base[2 * S + e];
+        float* a = acc.data();
+        for (int64_t h = 0; h < H; ++h) a[h] = pre[0] * row[h];
+        for (int64_t i = 1; i < S; ++i) {
+          const float p = pre[i];
+          const float* ri = row + i * H;
+          for (int64_t h = 0; h < H; ++h) a[h] += p * ri[h];
+        }
+        scalar_t* yt = y + t * H;
+        for (int64_t h = 0; h < H; ++h) yt[h] = static_cast<scalar_t>(a[h]);
+      }
+    }
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> hc_pre(const at::Tensor& x, const at::Tensor& fn,
+                                                      const at::Tensor& scale,
+                                                      const at::Tensor& base, double norm_eps,
+                                                      double hc_eps, int64_t iters) {
+  TORCH_CHECK(x.dim() == 3, "hc_pre: x [T, S, H]");
+  const int64_t T = x.size(0), S = x.size(1), H = x.size(2), M = S * (2 + S);
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              "hc_pre: float32 or bfloat16 streams");
+  TORCH_CHECK(fn.dim() == 2 && fn.size(0) == M && fn.size(1) == S * H &&
+                  fn.scalar_type() == at::kFloat,
+              "hc_pre: fn must be [S (2 + S), S H] fp32");
+  TORCH_CHECK(scale.numel() == 3 && scale.scalar_type() == at::kFloat,
+              "hc_pre: scale must be [3] fp32");
+  TORCH_CHECK(base.numel() == M && base.scalar_type() == at::kFloat,
+              "hc_pre: base must be [S (2 + S)] fp32");
+  TORCH_CHECK(iters >= 1, "hc_pre: iters >= 1");
+  at::Tensor y = at::empty({T, H}, x.options());
+  at::Tensor post = at::empty({T, S}, x.options().dtype(at::kFloat));
+  at::Tensor comb = at::empty({T, S, S}, x.options().dtype(at::kFloat));
+  if (T == 0 || S == 0) return {y, post, comb};
+  at::Tensor xc = x.contiguous(), fc = fn.contiguous();
+  at::Tensor sc = scale.contiguous(), bc = base.contiguous();
+  const float ne = static_cast<float>(norm_eps), he = static_cast<float>(hc_eps);
+  if (x.scalar_type() == at::kFloat) {
+    collapse_streams<float>(xc.data_ptr<float>(), fc.data_ptr<float>(), sc.data_ptr<float>(),
+                            bc.data_ptr<float>(), ne, he, y.data_ptr<float>(),
+                            post.data_ptr<float>(), comb.data_ptr<float>(), T, S, H);
+  } else {
+    collapse_streams<at::BFloat16>(xc.data_ptr<at::BFloat16>(), fc.data_ptr<float>(),
+                                   sc.data_ptr<float>(), bc.data_ptr<float>(), ne, he,
+                                   y.data_ptr<at::BFloat16>(), post.data_ptr<float>(),
+                                   comb.data_ptr<float>(), T, S, H);
+  }
+  sinkhorn_rows(comb.data_ptr<float>(), comb.data_ptr<float>(), T, S, iters, he);
+  return {y, post, comb};
 }
 
 // ---- AMX tile products ---------------------------------------------------------------
@@ -1480,6 +1638,9 @@ TORCH_LIBRARY(nextn_cpu, m) {
   m.def("indexer_topk(Tensor scores, Tensor lengths, Tensor visible, int k) -> (Tensor, Tensor)");
   m.def("hc_post(Tensor block, Tensor residual, Tensor post, Tensor comb) -> Tensor");
   m.def("sinkhorn(Tensor logits, int iters, float eps) -> Tensor");
+  m.def(
+      "hc_pre(Tensor x, Tensor fn, Tensor scale, Tensor base, float norm_eps, float hc_eps, "
+      "int iters) -> (Tensor, Tensor, Tensor)");
   m.def("rms_norm(Tensor x, Tensor? weight, float eps) -> Tensor");
   m.def("swiglu(Tensor gate, Tensor up, float? limit) -> Tensor");
   m.def("tile_ready() -> bool");
@@ -1503,6 +1664,7 @@ TORCH_LIBRARY_IMPL(nextn_cpu, CPU, m) {
   m.impl("indexer_topk", &indexer_topk);
   m.impl("hc_post", &hc_post);
   m.impl("sinkhorn", &sinkhorn);
+  m.impl("hc_pre", &hc_pre);
   m.impl("rms_norm", &rms_norm);
   m.impl("swiglu", &swiglu);
   m.impl("tile_product", &tile_product);
