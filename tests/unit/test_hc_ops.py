@@ -284,7 +284,7 @@ def test_triton_kernels_match_references(triton_outputs, index):
     assert_post_matches(post, case, pre[1], pre[2], bf16_rtol)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.gpu
 def test_custom_ops_on_cuda_take_the_triton_kernels():
     case = make_case(17, 4, 300, torch.bfloat16, 20)
     on = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in case.items()}
