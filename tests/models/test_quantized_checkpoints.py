@@ -1,0 +1,139 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Quantized DeepSeek-V4 checkpoints served as shipped (`--quantization`).
+
+Tiny held-out checkpoints with random weights, quantized by the test's own statement of
+the released formats (`quantize_fp8_blocks`, `quantize_mxfp4`): FP8 block projections
+with MXFP4 routed experts (V4), or FP8 routed experts too (V3 style), each with an MTP layer.
+The oracle is the same checkpoint dequantized on load (`--quantization none`).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from runtime.configs.model_config import ModelConfig
+from runtime.core.forward_mode import ForwardMode
+from runtime.execution.model_runner import ModelInput
+from runtime.model_loader.build import load_model
+from tests.models.test_deepseek_v4_loading import (
+    FP8_SUFFIXES,
+    quantize_fp8_blocks,
+    quantize_mxfp4,
+)
+from tests.models.test_deepseek_v4_parity import all_rows, random_ids
+from tests.runners import load_runner
+from tests.tiny_checkpoints import build_tiny_v4_mtp_checkpoint
+
+BLOCK = 8
+MTP_FP8_SUFFIXES = ("e_proj.weight", "h_proj.weight")
+GREEDY = {"temperature": 0.0, "max_new_tokens": 8, "ignore_eos": True}
+
+
+def is_routed_expert(name: str) -> bool:
+    return ".experts." in name and "shared" not in name
+
+
+def write_quantized(source, target, experts: str, edit=None, block: int = BLOCK, tail: int = 0):
+    """`source`'s checkpoint with FP8-block projections and `experts` ("mxfp4" / "fp8")
+    routed experts, saved at `target`; `edit(state)` may corrupt it first."""
+    state = load_file(str(source / "model.safetensors"))
+    out = {}
+    for name, w in state.items():
+        scale_name = name.removesuffix(".weight") + ".scale"
+        if name.endswith(FP8_SUFFIXES + MTP_FP8_SUFFIXES) or (
+            experts == "fp8" and is_routed_expert(name)
+        ):
+            out[name], out[scale_name], _ = quantize_fp8_blocks(w, block=block, e8m0=True)
+        elif is_routed_expert(name):
+            out[name], out[scale_name], _ = quantize_mxfp4(w)
+        else:
+            out[name] = w
+    if edit is not None:
+        edit(out)
+    config = json.loads((source / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "scale_fmt": "ue8m0",
+        "weight_block_size": [block, block],
+        "activation_scheme": "dynamic",
+    }
+    if experts == "mxfp4":
+        config["expert_dtype"] = "fp4"
+    target.mkdir(parents=True, exist_ok=True)
+    (target / "config.json").write_text(json.dumps(config))
+    save_file(out, str(target / "model.safetensors"))
+    return target
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    path, _, _ = build_tiny_v4_mtp_checkpoint(
+        tmp_path_factory.mktemp("src"), seed=5, moe_intermediate_size=32
+    )
+    return path
+
+
+@pytest.fixture(scope="module", params=["mxfp4", "fp8"])
+def quantized(request, source, tmp_path_factory):
+    return request.param, write_quantized(source, tmp_path_factory.mktemp("q"), request.param)
+
+
+def prefill_logits(path, quantization: str) -> torch.Tensor:
+    from runtime.cache.slot_table import PagedTokenAllocator, ReqToTokenPool, SlotTable
+
+    config = ModelConfig.from_path(path, "float32", quantization=quantization)
+    table = SlotTable(ReqToTokenPool(4, 256), PagedTokenAllocator(256, 1))
+    runner = load_runner(config, table)
+    ids = random_ids(29, seed=11)
+    req = table.open_request()
+    table.reserve(req, len(ids))
+    out = runner.forward(
+        ModelInput(
+            ForwardMode.EXTEND, ids, [req], [0], [len(ids)], logits_row_indices=all_rows(len(ids))
+        )
+    )
+    return out.next_token_logits
+
+
+def quantized_modules(model):
+    return [(n, m) for n, m in model.named_modules() if getattr(m, "quantized_weights", None)]
+
+
+def test_weights_stay_quantized(quantized):
+    """Every FP8 projection holds e4m3 codes with one fp32 scale per row and block; routed
+    experts hold their checkpoint's codes (MXFP4: a byte per two values, an E8M0 byte per
+    32), so the bytes per parameter are the format's."""
+    experts, path = quantized
+    model = load_model(ModelConfig.from_path(path, "float32"), progress=False)
+    found = dict(quantized_modules(model))
+    for suffix in ("attn.wq_b", "attn.wo_a", "attn.wo_b", "shared_experts.down_proj"):
+        assert any(n.endswith(suffix) for n in found), suffix
+    for module in found.values():
+        for param, (fmt, block_k) in module.quantized_weights.items():
+            codes = getattr(module, param)
+            if fmt == "fp8":
+                scales = getattr(module, param + "_scale_inv")
+                assert codes.dtype == torch.float8_e4m3fn and block_k == BLOCK
+                assert scales.shape == (*codes.shape[:-1], -(-codes.shape[-1] // BLOCK))
+            else:
+                scales = getattr(module, param + "_scale")
+                assert codes.dtype == torch.uint8 and scales.dtype == torch.uint8
+                assert scales.shape[-1] * 16 == codes.shape[-1]
+            values = codes.numel() * (2 if fmt == "mxfp4" else 1)
+            held = codes.numel() * codes.element_size() + scales.numel() * scales.element_size()
+            expected = 1 + 4 / BLOCK if fmt == "fp8" else 0.5 + 1 / 32
+            assert held / values == pytest.approx(expected)
+    routed = [m for n, m in found.items() if n.endswith(".experts")]
+    assert routed and {m.quantized_weights["w13_weight"][0] for m in routed} == {experts}
+
+
+def test_logits_equal_dequantize_on_load(quantized):
+    _, path = quantized
+    torch.testing.assert_close(
+        prefill_logits(path, "auto"), prefill_logits(path, "none"), atol=2e-5, rtol=1e-5
+    )
