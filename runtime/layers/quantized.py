@@ -96,9 +96,11 @@ def store_weight(
     plain = module.__dict__.setdefault("_float_pieces", set())
     if not (keeps_quantized(loaded) and getattr(loaded, "kind", None) in formats):
         if fmt is not None:
+            tensor = getattr(loaded, "name", "?")
             raise ValueError(
-                f"{name}: a float piece ({what or 'whole'}) after quantized ones; the checkpoint "
-                f"mixes formats within one parameter: serve with --quantization none"
+                f"{name}: checkpoint tensor '{tensor}' ({what or 'whole'}) is not in the "
+                f"{fmt[0]} format of this parameter's other pieces (float, or scales that do "
+                f"not fit it): serve with --quantization none, or fix the checkpoint"
             )
         plain.add(name)
         copy_checked(select(getattr(module, name).data), loaded, what)

@@ -201,7 +201,12 @@ class LazyDequantized(_Window):
             return self._fp8()
         if self.kind == "mxfp4":
             return self._mxfp4()
-        full = dequantize_tensor(self.weight.materialize(), self.scale, self.block_size, self.dtype)
+        try:
+            full = dequantize_tensor(
+                self.weight.materialize(), self.scale, self.block_size, self.dtype
+            )
+        except CheckpointError as e:
+            raise CheckpointError(f"cannot dequantize '{self.name}': {e}") from e
         return full[tuple(slice(a, b) for a, b in self.window)]
 
     def _fp8(self) -> torch.Tensor:

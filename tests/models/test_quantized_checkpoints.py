@@ -15,9 +15,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from runtime import Engine
 from runtime.configs.model_config import ModelConfig
 from runtime.core.forward_mode import ForwardMode
 from runtime.execution.model_runner import ModelInput
+from runtime.model_loader import CheckpointError
 from runtime.model_loader.build import load_model
 from tests.models.test_deepseek_v4_loading import (
     FP8_SUFFIXES,
@@ -136,4 +138,100 @@ def test_logits_equal_dequantize_on_load(quantized):
     _, path = quantized
     torch.testing.assert_close(
         prefill_logits(path, "auto"), prefill_logits(path, "none"), atol=2e-5, rtol=1e-5
+    )
+
+
+def test_draft_weights_stay_quantized(quantized):
+    """The MTP layer's projections (`e_proj`, `h_proj`, attention, experts) keep codes too."""
+    from runtime.models.registry import resolve_model_class
+
+    _, path = quantized
+    config = ModelConfig.from_path(path, "float32")
+    draft_cls = resolve_model_class([resolve_model_class(config.architectures).draft_architecture])
+    found = dict(quantized_modules(load_model(config, draft_cls, progress=False)))
+    for suffix in ("e_proj", "h_proj", "attn.wq_b", ".experts"):
+        assert any(n.endswith(suffix) for n in found), suffix
+
+
+def generate(path, quantization: str, **engine_args):
+    engine = Engine(
+        model_path=str(path),
+        dtype="float32",
+        page_size=4,
+        max_running_requests=4,
+        max_total_tokens=512,
+        quantization=quantization,
+        **engine_args,
+    )
+    prompts = [random_ids(n, seed=n).tolist() for n in (5, 13, 21)]
+    try:
+        out = engine.generate(input_ids=prompts, sampling_params=GREEDY)
+    finally:
+        engine.shutdown()
+    return [r["output_ids"] for r in out]
+
+
+@pytest.mark.parametrize("spec", [{}, {"speculative_algorithm": "NEXTN"}], ids=["plain", "nextn"])
+def test_greedy_tokens_equal_dequantize_on_load(quantized, spec):
+    _, path = quantized
+    assert generate(path, "auto", **spec) == generate(path, "none", **spec)
+
+
+def corrupt_fp8_scale(state):
+    name = "layers.1.attn.wq_b.scale"
+    state[name] = state[name][:-1]
+
+
+def nan_mxfp4_scale(state):
+    name = "layers.0.ffn.experts.3.w2.scale"
+    state[name] = state[name].view(torch.uint8).clone().fill_(255).view(torch.float8_e8m0fnu)
+
+
+def short_mxfp4_scale(state):
+    name = "layers.2.ffn.experts.1.w1.scale"
+    state[name] = state[name][:, :-1]
+
+
+def wrong_codes_shape(state):
+    name = "layers.0.attn.wo_b.weight"
+    state[name] = torch.cat([state[name], state[name][:1]])
+    scale = "layers.0.attn.wo_b.scale"
+    state[scale] = torch.cat([state[scale], state[scale][:1]])
+
+
+@pytest.mark.parametrize(
+    "edit, tensor",
+    [
+        (corrupt_fp8_scale, "layers.1.attn.wq_b"),
+        (nan_mxfp4_scale, "layers.0.ffn.experts.3.w2"),
+        (short_mxfp4_scale, "layers.2.ffn.experts.1.w1"),
+        (wrong_codes_shape, "layers.0.attn.wo_b"),
+    ],
+)
+def test_malformed_quantized_tensors_are_refused_by_name(source, tmp_path, edit, tensor):
+    path = write_quantized(source, tmp_path / "bad", "mxfp4", edit=edit)
+    with pytest.raises(ValueError, match=tensor.replace(".", r"\.")):
+        load_model(ModelConfig.from_path(path, "float32"), progress=False)
+
+
+def test_explicit_format_the_checkpoint_lacks_is_refused(source, quantized):
+    experts, path = quantized
+    with pytest.raises(CheckpointError, match="holds no fp8 weights"):
+        load_model(ModelConfig.from_path(source, "float32", quantization="fp8"), progress=False)
+    if experts == "fp8":
+        with pytest.raises(CheckpointError, match="holds no mxfp4 weights"):
+            load_model(ModelConfig.from_path(path, "float32", quantization="mxfp4"))
+
+
+def test_one_format_kept_the_other_dequantized(quantized):
+    """`--quantization fp8` on a V4 checkpoint keeps the FP8 projections and dequantizes the
+    MXFP4 experts; logits still equal dequantize-on-load."""
+    experts, path = quantized
+    if experts != "mxfp4":
+        pytest.skip("needs both formats")
+    model = load_model(ModelConfig.from_path(path, "float32", quantization="fp8"), progress=False)
+    formats = {fmt for _, m in quantized_modules(model) for fmt, _ in m.quantized_weights.values()}
+    assert formats == {"fp8"}
+    torch.testing.assert_close(
+        prefill_logits(path, "fp8"), prefill_logits(path, "none"), atol=2e-5, rtol=1e-5
     )
