@@ -13,7 +13,10 @@ torch ops the same way):
 * `indexer_topk`: the indexer's top-k with transformers' ties
   (`runtime.kernels.indexer_topk`), the same ATen calls as its Python body;
 * `hc_post` and `sinkhorn`: mHC's stream expansion and Sinkhorn normalisation at eager
-  prefill sizes (`runtime.kernels.stream_expand`, `runtime.kernels.sinkhorn`).
+  prefill sizes (`runtime.kernels.stream_expand`, `runtime.kernels.sinkhorn`);
+* `fp8_block_linear`, `quantized_grouped_product` (`csrc/quant_cpu.cpp`): products with
+  FP8-block / MXFP4 weights kept quantized (`runtime.kernels.quantized_product`, whose
+  custom ops call them, so they need no fakes here).
 
 `load` builds the extension with `torch.utils.cpp_extension` (about 20 s once per machine,
 then loaded from its build directory) and registers the fakes; the graph runner calls it
@@ -42,6 +45,8 @@ from runtime.kernels import dense_product
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "nextn_cpu.cpp"
+# further sources of the same extension (operators added with TORCH_LIBRARY_FRAGMENT)
+EXTRA_SOURCES = (Path(__file__).resolve().parent / "csrc" / "quant_cpu.cpp",)
 DISABLE_ENV = "NEXTN_DISABLE_CPU_KERNELS"
 # the instruction sets the kernels are built for, by what this torch build dispatches to
 ISA_FLAGS = {
@@ -116,7 +121,8 @@ def _build(cache_dir: Path | str | None) -> None:
     # a build serves one source, flags, torch and Python (a shared cache directory may see
     # several installs; an extension built against another torch must not be loaded)
     built_for = repr((flags, torch.__version__, sys.version)).encode()
-    tag = hashlib.sha256(SOURCE.read_bytes() + built_for).hexdigest()[:12]
+    sources = (SOURCE, *EXTRA_SOURCES)
+    tag = hashlib.sha256(b"".join(p.read_bytes() for p in sources) + built_for).hexdigest()[:12]
     name = f"nextn_cpu_{isa.lower()}_{tag}"
     build_dir = None
     if cache_dir is not None:
@@ -125,7 +131,7 @@ def _build(cache_dir: Path | str | None) -> None:
         wait_for_build_lock(build_dir / "lock")
     cpp_extension.load(
         name=name,
-        sources=[str(SOURCE)],
+        sources=[str(p) for p in sources],
         extra_cflags=flags,
         build_directory=None if build_dir is None else str(build_dir),
         is_python_module=False,

@@ -25,7 +25,8 @@ The references dequantize the whole weight to `x.dtype` (in float32 first, exact
 checkpoint loader's dequantize-on-load does) and multiply: they define correctness and are
 what runs where no kernel serves. On CPU, `fp8_block_linear` goes through the C++ kernel
 (`csrc/quant_cpu.cpp`, dequantizing one tile at a time inside the product) once the
-project's extension is loaded (`runtime.kernels.cpu_extension`).
+project's extension is loaded (`runtime.kernels.cpu_extension`); so does the grouped
+product (`fmt` either format), which decodes only the groups that have rows.
 """
 
 from __future__ import annotations
@@ -82,11 +83,11 @@ def fp8_block_linear_reference(
     return F.linear(x, weight) if codes.dim() == 2 else torch.bmm(x, weight.transpose(1, 2))
 
 
-def _kernel_serves(x: torch.Tensor) -> bool:
+def _kernel_serves(x: torch.Tensor, op: str) -> bool:
     return (
         cpu_extension.serves(x)
         and x.dtype in (torch.float32, torch.bfloat16)
-        and hasattr(torch.ops.nextn_cpu, "fp8_block_linear")
+        and hasattr(torch.ops.nextn_cpu, op)
     )
 
 
@@ -94,7 +95,7 @@ def _kernel_serves(x: torch.Tensor) -> bool:
 def fp8_block_linear(
     x: torch.Tensor, codes: torch.Tensor, scale_inv: torch.Tensor, block: list[int]
 ) -> torch.Tensor:
-    if _kernel_serves(x) and codes.dim() == 2:
+    if _kernel_serves(x, "fp8_block_linear") and codes.dim() == 2:
         flat = x.reshape(-1, x.shape[-1])
         out = torch.ops.nextn_cpu.fp8_block_linear(flat, codes, scale_inv, block[0], block[1])
         return out.view(*x.shape[:-1], codes.shape[0])
@@ -127,6 +128,9 @@ def quantized_grouped_product(
     fmt: str,
     block_k: int,
 ) -> torch.Tensor:
+    if _kernel_serves(x, "quantized_grouped_product"):
+        op = torch.ops.nextn_cpu.quantized_grouped_product
+        return op(x, codes, scale, group_ends, fmt, block_k)
     return quantized_grouped_reference(x, codes, scale, group_ends, fmt, block_k)
 
 

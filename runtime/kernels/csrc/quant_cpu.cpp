@@ -1,0 +1,219 @@
+// SPDX-License-Identifier: Apache-2.0
+// Products with weights held in a checkpoint's quantized format, dequantized tile by tile
+// inside the product (runtime/kernels/quantized_product.py states the formats and holds the
+// references that define correctness; cpu_extension.py builds this file with nextn_cpu.cpp).
+//
+// nextn_cpu::fp8_block_linear(x [M, K], codes [N, K] e4m3, scale [ceil(N/b0), ceil(K/b1)]
+// fp32, b0, b1) -> [M, N] in x's dtype.
+// nextn_cpu::quantized_grouped_product(x [A, K], codes [G, N, *], scale [G, N, *],
+// group_ends [G] int32, fmt, block_k) -> [A, N]: rows sorted by group, group g times expert
+// g's weight; fmt "fp8" (codes [G, N, K] e4m3, fp32 scale per row and block_k columns) or
+// "mxfp4" (codes [G, N, K/2] two E2M1 codes a byte, E8M0 scale bytes per 32 columns).
+//
+// Few rows (decode, verify, a routed expert's pairs): each weight tile of 16 rows by one
+// scale block of columns is decoded into fp32 once, in a buffer in the core's L1 cache, and
+// multiplied into the accumulators of every row; tiles split over threads. Many rows
+// (prefill): panels of 64 weight rows are decoded into fp32 and multiplied by ATen's GEMM,
+// so no whole dequantized weight ever exists. Either way the weight's products are exact
+// (decoded values times power-of-two or fp32 scales, the reference's numbers); only the
+// order of the sums differs from the reference.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <string>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kTileN = 16;      // weight rows per tile of the few-rows path
+constexpr int64_t kMaxFewRows = 8;  // rows up to which the few-rows path runs
+constexpr int64_t kPanelN = 64;     // weight rows per decoded panel of the many-rows path
+constexpr int64_t kMxGroup = 32;
+
+const std::array<float, 256>& fp8_values() {
+  static const std::array<float, 256> table = [] {
+    std::array<float, 256> t{};
+    for (int i = 0; i < 256; ++i) {
+      t[i] = static_cast<float>(c10::Float8_e4m3fn(static_cast<uint8_t>(i), c10::Float8_e4m3fn::from_bits()));
+    }
+    return t;
+  }();
+  return table;
+}
+
+constexpr float kE2M1[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
+                             -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+
+float e8m0_value(uint8_t e) {
+  return e == 255 ? NAN : std::ldexp(1.0f, static_cast<int>(e) - 127);
+}
+
+// Decodes `len` weights of row `n` from column `k0` (within one scale block) into `dst`.
+struct Fp8Rows {
+  const uint8_t* codes;  // [N, K]
+  const float* scale;    // [ceil(N/b0), KB]
+  int64_t K, KB, b0, b1;
+  void operator()(int64_t n, int64_t k0, int64_t len, float* dst) const {
+    const auto& table = fp8_values();
+    const float s = scale[(n / b0) * KB + k0 / b1];
+    const uint8_t* row = codes + n * K + k0;
+    for (int64_t k = 0; k < len; ++k) dst[k] = table[row[k]] * s;
+  }
+};
+
+struct Mxfp4Rows {
+  const uint8_t* codes;  // [N, K/2]
+  const uint8_t* scale;  // [N, K/32]
+  int64_t K;
+  void operator()(int64_t n, int64_t k0, int64_t len, float* dst) const {
+    const float s = e8m0_value(scale[n * (K / kMxGroup) + k0 / kMxGroup]);
+    const uint8_t* row = codes + n * (K / 2) + k0 / 2;
+    for (int64_t k = 0; k < len; k += 2) {
+      const uint8_t b = row[k / 2];
+      dst[k] = kE2M1[b & 0x0F] * s;
+      dst[k + 1] = kE2M1[b >> 4] * s;
+    }
+  }
+};
+
+// out[m, n] = sum_k x[m, k] W[n, k] for M <= kMaxFewRows; W decoded one tile at a time.
+template <typename Rows>
+void few_rows(const float* x, int64_t M, int64_t N, int64_t K, int64_t block, const Rows& rows,
+              float* out, int64_t ldo) {
+  const int64_t tiles = (N + kTileN - 1) / kTileN;
+  at::parallel_for(0, tiles, 1, [&](int64_t first, int64_t last) {
+    std::vector<float> decoded(block), tile(block * kTileN);
+    for (int64_t t = first; t < last; ++t) {
+      const int64_t n0 = t * kTileN, nt = std::min(kTileN, N - n0);
+      float acc[kMaxFewRows][kTileN] = {};
+      for (int64_t k0 = 0; k0 < K; k0 += block) {
+        const int64_t len = std::min(block, K - k0);
+        std::fill(tile.begin(), tile.end(), 0.0f);
+        for (int64_t n = 0; n < nt; ++n) {
+          rows(n0 + n, k0, len, decoded.data());
+          for (int64_t k = 0; k < len; ++k) tile[k * kTileN + n] = decoded[k];
+        }
+        for (int64_t m = 0; m < M; ++m) {
+          const float* xr = x + m * K + k0;
+          float* a = acc[m];
+          for (int64_t k = 0; k < len; ++k) {
+            const float xv = xr[k];
+            const float* w = tile.data() + k * kTileN;
+            for (int64_t n = 0; n < kTileN; ++n) a[n] += xv * w[n];
+          }
+        }
+      }
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t n = 0; n < nt; ++n) out[m * ldo + n0 + n] = acc[m][n];
+    }
+  });
+}
+
+// The same product for many rows: decoded panels of kPanelN weight rows through ATen's GEMM.
+template <typename Rows>
+void many_rows(const at::Tensor& x, int64_t N, int64_t K, int64_t block, const Rows& rows,
+               at::Tensor out) {
+  at::Tensor panel = at::empty({std::min(kPanelN, N), K}, x.options());
+  for (int64_t n0 = 0; n0 < N; n0 += kPanelN) {
+    const int64_t nt = std::min(kPanelN, N - n0);
+    float* p = panel.data_ptr<float>();
+    at::parallel_for(0, nt, 4, [&](int64_t first, int64_t last) {
+      for (int64_t n = first; n < last; ++n)
+        for (int64_t k0 = 0; k0 < K; k0 += block)
+          rows(n0 + n, k0, std::min(block, K - k0), p + n * K + k0);
+    });
+    out.narrow(1, n0, nt).copy_(at::mm(x, panel.narrow(0, 0, nt).t()));
+  }
+}
+
+template <typename Rows>
+void product(const at::Tensor& x, int64_t N, int64_t block, const Rows& rows, at::Tensor out) {
+  const int64_t M = x.size(0), K = x.size(1);
+  if (M == 0) return;
+  if (M <= kMaxFewRows) {
+    few_rows(x.data_ptr<float>(), M, N, K, block, rows, out.data_ptr<float>(), out.stride(0));
+  } else {
+    many_rows(x, N, K, block, rows, out);
+  }
+}
+
+at::Tensor fp8_block_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
+                            int64_t b0, int64_t b1) {
+  TORCH_CHECK(x.dim() == 2 && codes.dim() == 2 && x.size(1) == codes.size(1),
+              "fp8_block_linear: x [M, K] and codes [N, K] expected");
+  TORCH_CHECK(codes.scalar_type() == at::kFloat8_e4m3fn, "fp8_block_linear: e4m3 codes expected");
+  const int64_t N = codes.size(0), K = codes.size(1);
+  TORCH_CHECK(b0 >= 1 && b1 >= 1 && scale.scalar_type() == at::kFloat && scale.dim() == 2 &&
+                  scale.size(0) == (N + b0 - 1) / b0 && scale.size(1) == (K + b1 - 1) / b1,
+              "fp8_block_linear: scale [ceil(N/b0), ceil(K/b1)] float32 expected");
+  at::Tensor xf = x.to(at::kFloat).contiguous();
+  at::Tensor c = codes.contiguous().view(at::kByte), s = scale.contiguous();
+  at::Tensor out = at::empty({x.size(0), N}, xf.options());
+  Fp8Rows rows{c.data_ptr<uint8_t>(), s.data_ptr<float>(), K, s.size(1), b0, b1};
+  product(xf, N, b1, rows, out);
+  return out.to(x.scalar_type());
+}
+
+at::Tensor quantized_grouped_product(const at::Tensor& x, const at::Tensor& codes,
+                                     const at::Tensor& scale, const at::Tensor& group_ends,
+                                     c10::string_view fmt, int64_t block_k) {
+  const bool mx = fmt == "mxfp4";
+  TORCH_CHECK(mx || fmt == "fp8", "quantized_grouped_product: fmt must be fp8 or mxfp4");
+  TORCH_CHECK(x.dim() == 2 && codes.dim() == 3 && scale.dim() == 3,
+              "quantized_grouped_product: x [A, K], codes and scale [G, N, *] expected");
+  const int64_t G = codes.size(0), N = codes.size(1), K = x.size(1);
+  TORCH_CHECK(codes.size(2) == (mx ? K / 2 : K) && group_ends.numel() == G,
+              "quantized_grouped_product: codes do not match x's width or the groups");
+  if (mx) {
+    TORCH_CHECK(K % kMxGroup == 0 && scale.scalar_type() == at::kByte &&
+                    scale.size(2) == K / kMxGroup && codes.scalar_type() == at::kByte,
+                "quantized_grouped_product: mxfp4 needs uint8 codes and E8M0 scale bytes");
+  } else {
+    TORCH_CHECK(codes.scalar_type() == at::kFloat8_e4m3fn && scale.scalar_type() == at::kFloat &&
+                    scale.size(2) == (K + block_k - 1) / block_k,
+                "quantized_grouped_product: fp8 needs e4m3 codes and float32 scales");
+  }
+  at::Tensor xf = x.to(at::kFloat).contiguous();
+  at::Tensor c = codes.contiguous().view(at::kByte), s = scale.contiguous();
+  at::Tensor ends = group_ends.to(at::kLong).cpu();
+  at::Tensor out = at::zeros({x.size(0), N}, xf.options());
+  const int64_t* e = ends.data_ptr<int64_t>();
+  int64_t start = 0;
+  for (int64_t g = 0; g < G; ++g) {
+    const int64_t end = e[g];
+    if (end > start) {
+      at::Tensor xs = xf.narrow(0, start, end - start), os = out.narrow(0, start, end - start);
+      if (mx) {
+        const int64_t per = N * (K / 2), per_s = N * (K / kMxGroup);
+        Mxfp4Rows rows{c.data_ptr<uint8_t>() + g * per, s.data_ptr<uint8_t>() + g * per_s, K};
+        product(xs, N, kMxGroup, rows, os);
+      } else {
+        const int64_t KB = s.size(2);
+        Fp8Rows rows{c.data_ptr<uint8_t>() + g * N * K, s.data_ptr<float>() + g * N * KB, K, KB,
+                     1, block_k};
+        product(xs, N, block_k, rows, os);
+      }
+    }
+    start = end;
+  }
+  return out.to(x.scalar_type());
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(nextn_cpu, m) {
+  m.def("fp8_block_linear(Tensor x, Tensor codes, Tensor scale, int b0, int b1) -> Tensor");
+  m.def(
+      "quantized_grouped_product(Tensor x, Tensor codes, Tensor scale, Tensor group_ends, "
+      "str fmt, int block_k) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(nextn_cpu, CPU, m) {
+  m.impl("fp8_block_linear", &fp8_block_linear);
+  m.impl("quantized_grouped_product", &quantized_grouped_product);
+}
