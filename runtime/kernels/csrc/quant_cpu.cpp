@@ -10,59 +10,85 @@
 // g's weight; fmt "fp8" (codes [G, N, K] e4m3, fp32 scale per row and block_k columns) or
 // "mxfp4" (codes [G, N, K/2] two E2M1 codes a byte, E8M0 scale bytes per 32 columns).
 //
-// Few rows (decode, verify, a routed expert's pairs): each weight tile of 16 rows by one
-// scale block of columns is decoded into fp32 once, in a buffer in the core's L1 cache, and
-// multiplied into the accumulators of every row; tiles split over threads. Many rows
+// Few rows (decode, verify, a routed expert's pairs): each weight row is decoded one scale
+// block at a time into fp32, in a buffer in the core's L1 cache, and multiplied into the
+// accumulators of every input row; weight rows split over threads. Many rows
 // (prefill): panels of 64 weight rows are decoded into fp32 and multiplied by ATen's GEMM,
 // so no whole dequantized weight ever exists. Either way the weight's products are exact
 // (decoded values times power-of-two or fp32 scales, the reference's numbers); only the
 // order of the sums differs from the reference.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <c10/util/Float8_e4m3fn.h>
 #include <torch/library.h>
 
 #include <algorithm>
-#include <array>
 #include <cmath>
+#include <cstring>
 #include <string>
 #include <vector>
 
 namespace {
 
-constexpr int64_t kTileN = 16;      // weight rows per tile of the few-rows path
+constexpr int64_t kTileN = 16;      // weight rows per thread task of the few-rows path
 constexpr int64_t kMaxFewRows = 8;  // rows up to which the few-rows path runs
 constexpr int64_t kPanelN = 64;     // weight rows per decoded panel of the many-rows path
 constexpr int64_t kMxGroup = 32;
+constexpr int64_t kChunk = 512;     // columns decoded at a time (whole scale blocks)
 
-const std::array<float, 256>& fp8_values() {
-  static const std::array<float, 256> table = [] {
-    std::array<float, 256> t{};
-    for (int i = 0; i < 256; ++i) {
-      t[i] = static_cast<float>(c10::Float8_e4m3fn(static_cast<uint8_t>(i), c10::Float8_e4m3fn::from_bits()));
-    }
-    return t;
-  }();
-  return table;
+inline uint32_t bits_to_float_bits(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof bits);
+  return bits;
 }
 
-constexpr float kE2M1[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
-                             -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+inline float bits_to_float(uint32_t bits) {
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// e4m3fn byte -> float, in integer selects so that decoding loops vectorize: sign, 4
+// exponent bits (bias 7), 3 mantissa bits; exponent 0 is subnormal (mantissa * 2^-9),
+// 0x7F / 0xFF NaN.
+inline float fp8_value(uint8_t byte) {
+  const uint32_t b = byte, em = b & 0x7Fu, sign = (b & 0x80u) << 24;
+  const uint32_t normal = sign | ((em << 20) + (120u << 23));
+  const uint32_t sub = sign | bits_to_float_bits(static_cast<float>(em) * 0.001953125f);
+  const uint32_t is_sub = 0u - static_cast<uint32_t>(em < 8);
+  const uint32_t is_nan = 0u - static_cast<uint32_t>(em == 0x7Fu);
+  const uint32_t bits = (sub & is_sub) | (normal & ~is_sub);
+  return bits_to_float((bits & ~is_nan) | (0x7FC00000u & is_nan));
+}
+
+// E2M1 nibble -> float: sign bit 3, exponent bits 2..1 (bias 1), mantissa bit 0;
+// exponent 0 is subnormal (mantissa * 0.5).
+inline float e2m1_value(uint32_t nibble) {
+  const uint32_t e = (nibble >> 1) & 3u, m = nibble & 1u, sign = (nibble & 8u) << 28;
+  const uint32_t normal = sign | ((e + 126u) << 23) | (m << 22);
+  const uint32_t sub = sign | bits_to_float_bits(static_cast<float>(m) * 0.5f);
+  const uint32_t is_sub = 0u - static_cast<uint32_t>(e == 0);
+  return bits_to_float((sub & is_sub) | (normal & ~is_sub));
+}
 
 float e8m0_value(uint8_t e) {
   return e == 255 ? NAN : std::ldexp(1.0f, static_cast<int>(e) - 127);
 }
 
-// Decodes `len` weights of row `n` from column `k0` (within one scale block) into `dst`.
+// Decode `len` weights of row `n` from column `k0` (a multiple of the scale block) into
+// `dst`, one scale block at a time.
 struct Fp8Rows {
   const uint8_t* codes;  // [N, K]
   const float* scale;    // [ceil(N/b0), KB]
   int64_t K, KB, b0, b1;
   void operator()(int64_t n, int64_t k0, int64_t len, float* dst) const {
-    const auto& table = fp8_values();
-    const float s = scale[(n / b0) * KB + k0 / b1];
-    const uint8_t* row = codes + n * K + k0;
-    for (int64_t k = 0; k < len; ++k) dst[k] = table[row[k]] * s;
+    const float* row_scale = scale + (n / b0) * KB;
+    for (int64_t c = 0; c < len; c += b1) {
+      const float s = row_scale[(k0 + c) / b1];
+      const uint8_t* __restrict row = codes + n * K + k0 + c;
+      float* __restrict out = dst + c;
+      const int64_t width = std::min(b1, len - c);
+      for (int64_t k = 0; k < width; ++k) out[k] = fp8_value(row[k]) * s;
+    }
   }
 };
 
@@ -71,45 +97,48 @@ struct Mxfp4Rows {
   const uint8_t* scale;  // [N, K/32]
   int64_t K;
   void operator()(int64_t n, int64_t k0, int64_t len, float* dst) const {
-    const float s = e8m0_value(scale[n * (K / kMxGroup) + k0 / kMxGroup]);
-    const uint8_t* row = codes + n * (K / 2) + k0 / 2;
-    for (int64_t k = 0; k < len; k += 2) {
-      const uint8_t b = row[k / 2];
-      dst[k] = kE2M1[b & 0x0F] * s;
-      dst[k + 1] = kE2M1[b >> 4] * s;
+    const uint8_t* __restrict row = codes + n * (K / 2) + k0 / 2;
+    float* __restrict out = dst;
+    for (int64_t k = 0; k < len / 2; ++k) {  // the whole range at once: long loops vectorize
+      out[2 * k] = e2m1_value(row[k] & 0x0Fu);
+      out[2 * k + 1] = e2m1_value(row[k] >> 4);
+    }
+    const uint8_t* groups = scale + n * (K / kMxGroup) + k0 / kMxGroup;
+    for (int64_t g = 0; g < len / kMxGroup; ++g) {
+      const float s = e8m0_value(groups[g]);
+      for (int64_t j = 0; j < kMxGroup; ++j) out[g * kMxGroup + j] *= s;
     }
   }
 };
 
-// out[m, n] = sum_k x[m, k] W[n, k] for M <= kMaxFewRows; W decoded one tile at a time.
+// out[m, n] = sum_k x[m, k] W[n, k] for M <= kMaxFewRows. Each weight row is decoded
+// kChunk columns at a time into a buffer in L1 and multiplied into every row's kLanes partial
+// sums (independent lanes, so the loop vectorizes without reordering any one sum).
 template <typename Rows>
 void few_rows(const float* x, int64_t M, int64_t N, int64_t K, int64_t block, const Rows& rows,
               float* out, int64_t ldo) {
-  const int64_t tiles = (N + kTileN - 1) / kTileN;
-  at::parallel_for(0, tiles, 1, [&](int64_t first, int64_t last) {
-    std::vector<float> decoded(block), tile(block * kTileN);
-    for (int64_t t = first; t < last; ++t) {
-      const int64_t n0 = t * kTileN, nt = std::min(kTileN, N - n0);
-      float acc[kMaxFewRows][kTileN] = {};
-      for (int64_t k0 = 0; k0 < K; k0 += block) {
-        const int64_t len = std::min(block, K - k0);
-        std::fill(tile.begin(), tile.end(), 0.0f);
-        for (int64_t n = 0; n < nt; ++n) {
-          rows(n0 + n, k0, len, decoded.data());
-          for (int64_t k = 0; k < len; ++k) tile[k * kTileN + n] = decoded[k];
-        }
+  constexpr int64_t kLanes = 16;
+  at::parallel_for(0, N, kTileN, [&](int64_t first, int64_t last) {
+    const int64_t chunk = std::max<int64_t>(block, kChunk / block * block);
+    std::vector<float> decoded(chunk + kLanes, 0.0f);
+    for (int64_t n = first; n < last; ++n) {
+      float acc[kMaxFewRows][kLanes] = {};
+      for (int64_t k0 = 0; k0 < K; k0 += chunk) {
+        const int64_t len = std::min(chunk, K - k0), full = len / kLanes * kLanes;
+        rows(n, k0, len, decoded.data());
         for (int64_t m = 0; m < M; ++m) {
           const float* xr = x + m * K + k0;
           float* a = acc[m];
-          for (int64_t k = 0; k < len; ++k) {
-            const float xv = xr[k];
-            const float* w = tile.data() + k * kTileN;
-            for (int64_t n = 0; n < kTileN; ++n) a[n] += xv * w[n];
-          }
+          for (int64_t k = 0; k < full; k += kLanes)
+            for (int64_t l = 0; l < kLanes; ++l) a[l] += xr[k + l] * decoded[k + l];
+          for (int64_t k = full; k < len; ++k) a[k - full] += xr[k] * decoded[k];
         }
       }
-      for (int64_t m = 0; m < M; ++m)
-        for (int64_t n = 0; n < nt; ++n) out[m * ldo + n0 + n] = acc[m][n];
+      for (int64_t m = 0; m < M; ++m) {
+        float sum = 0.0f;
+        for (int64_t l = 0; l < kLanes; ++l) sum += acc[m][l];
+        out[m * ldo + n] = sum;
+      }
     }
   });
 }
@@ -123,9 +152,7 @@ void many_rows(const at::Tensor& x, int64_t N, int64_t K, int64_t block, const R
     const int64_t nt = std::min(kPanelN, N - n0);
     float* p = panel.data_ptr<float>();
     at::parallel_for(0, nt, 4, [&](int64_t first, int64_t last) {
-      for (int64_t n = first; n < last; ++n)
-        for (int64_t k0 = 0; k0 < K; k0 += block)
-          rows(n0 + n, k0, std::min(block, K - k0), p + n * K + k0);
+      for (int64_t n = first; n < last; ++n) rows(n0 + n, 0, K, p + n * K);
     });
     out.narrow(1, n0, nt).copy_(at::mm(x, panel.narrow(0, 0, nt).t()));
   }
