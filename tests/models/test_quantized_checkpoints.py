@@ -235,3 +235,37 @@ def test_one_format_kept_the_other_dequantized(quantized):
     torch.testing.assert_close(
         prefill_logits(path, "fp8"), prefill_logits(path, "none"), atol=2e-5, rtol=1e-5
     )
+
+
+QWEN_FP8 = (
+    "_proj.weight",  # attention, Gated DeltaNet and shared-expert projections
+)
+
+
+def test_qwen4_exp_fp8_checkpoint(tmp_path):
+    """A Qwen4Exp checkpoint in Hugging Face's FP8 naming (`weight_scale_inv`) keeps its
+    projections quantized, with the logits of dequantize-on-load."""
+    from tests.tiny_checkpoints import build_tiny_qwen4_exp_checkpoint
+
+    source, _ = build_tiny_qwen4_exp_checkpoint(tmp_path / "src", seed=2)
+    state = load_file(str(source / "model.safetensors"))
+    out = {}
+    for name, w in state.items():
+        if name.endswith(QWEN_FP8) and w.dim() == 2 and "layers" in name:
+            out[name], scale, _ = quantize_fp8_blocks(w, block=BLOCK, e8m0=False)
+            out[name + "_scale_inv"] = scale
+        else:
+            out[name] = w
+    config = json.loads((source / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [BLOCK, BLOCK]}
+    target = tmp_path / "q"
+    target.mkdir()
+    (target / "config.json").write_text(json.dumps(config))
+    save_file(out, str(target / "model.safetensors"))
+    model = load_model(ModelConfig.from_path(target, "float32"), progress=False)
+    found = dict(quantized_modules(model))
+    for suffix in ("self_attn.o_proj", "linear_attn.out_proj", "shared_expert.down_proj"):
+        assert any(n.endswith(suffix) for n in found), suffix
+    torch.testing.assert_close(
+        prefill_logits(target, "auto"), prefill_logits(target, "none"), atol=2e-5, rtol=1e-5
+    )
