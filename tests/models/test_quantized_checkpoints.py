@@ -269,3 +269,24 @@ def test_qwen4_exp_fp8_checkpoint(tmp_path):
     torch.testing.assert_close(
         prefill_logits(target, "auto"), prefill_logits(target, "none"), atol=2e-5, rtol=1e-5
     )
+
+
+def test_tensor_parallel_split_inside_a_scale_block_is_refused(quantized):
+    """Rank 1 of TP 2 would start `wo_b`'s inputs at column 12 of 24, inside an 8-column
+    scale block (and split each expert's 32 inputs of `w2` into halves of an MXFP4 group):
+    refused naming the tensor, not served with shifted scales."""
+    from runtime.configs.parallel import ParallelLayout
+    from runtime.distributed import Mapping
+
+    _, path = quantized
+    mapping = Mapping.for_layout(ParallelLayout(2, 1), 1)
+    with pytest.raises(CheckpointError, match=r"cannot keep 'layers\.\d+\.(attn|ffn)\.") as err:
+        load_model(ModelConfig.from_path(path, "float32"), mapping=mapping, progress=False)
+    assert "whole" in str(err.value)
+
+
+def test_unknown_quantization_is_refused_by_flag_name():
+    from runtime.configs.engine_config import EngineConfig
+
+    with pytest.raises(ValueError, match="--quantization 'int4' is not supported"):
+        EngineConfig(quantization="int4").resolve()
