@@ -15,8 +15,7 @@ torch ops the same way):
 * `hc_post` and `sinkhorn`: mHC's stream expansion and Sinkhorn normalisation at eager
   prefill sizes (`runtime.kernels.stream_expand`, `runtime.kernels.sinkhorn`);
 * `fp8_block_linear`, `quantized_grouped_product` (`csrc/quant_cpu.cpp`): products with
-  FP8-block / MXFP4 weights kept quantized (`runtime.kernels.quantized_product`, whose
-  custom ops call them, so they need no fakes here).
+  FP8-block / MXFP4 weights kept quantized (`runtime.kernels.quantized_product`).
 
 `load` builds the extension with `torch.utils.cpp_extension` (about 20 s once per machine,
 then loaded from its build directory) and registers the fakes; the graph runner calls it
@@ -149,6 +148,8 @@ def _build(cache_dir: Path | str | None) -> None:
     torch.library.register_fake("nextn_cpu::dense_product")(_dense_product_fake)
     torch.library.register_fake("nextn_cpu::group_attention")(_group_attention_fake)
     torch.library.register_fake("nextn_cpu::dense_grouped_product")(_dense_grouped_product_fake)
+    torch.library.register_fake("nextn_cpu::fp8_block_linear")(_fp8_block_linear_fake)
+    torch.library.register_fake("nextn_cpu::quantized_grouped_product")(_quantized_grouped_fake)
 
 
 def wait_for_build_lock(
@@ -213,6 +214,14 @@ def _dense_product_fake(x, weight, bias=None):
 
 def _dense_grouped_product_fake(x, weight, group_ends):
     return x.new_empty((x.shape[0], weight.shape[1]))
+
+
+def _fp8_block_linear_fake(x, codes, scale, b0, b1):
+    return x.new_empty((*x.shape[:-1], codes.shape[-2]))
+
+
+def _quantized_grouped_fake(x, codes, scale, group_ends, fmt, block_k):
+    return x.new_empty((x.shape[0], codes.shape[1]))
 
 
 def _tile_product_fake(x, packed, n, group_ends=None):

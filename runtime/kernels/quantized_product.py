@@ -21,12 +21,15 @@ holds it as one opaque node whose output shape follows its input's:
   [G], fmt, block_k) -> [A, N]`: rows sorted by group, group g times expert g's weight
   (`runtime.kernels.grouped_gemm`'s contract), `fmt` "fp8" or "mxfp4".
 
-The references dequantize the whole weight to `x.dtype` (in float32 first, exactly as the
-checkpoint loader's dequantize-on-load does) and multiply: they define correctness and are
-what runs where no kernel serves. On CPU, `fp8_block_linear` goes through the C++ kernel
-(`csrc/quant_cpu.cpp`, dequantizing one tile at a time inside the product) once the
-project's extension is loaded (`runtime.kernels.cpu_extension`); so does the grouped
-product (`fmt` either format), which decodes only the groups that have rows.
+Their bodies are the references: they dequantize the whole weight to `x.dtype` (in float32
+first, exactly as the checkpoint loader's dequantize-on-load does) and multiply; they
+define correctness and are what runs where no kernel serves. Layers call `fp8_linear` and
+`grouped_quantized`, which on CPU go to the C++ kernels instead (`csrc/quant_cpu.cpp`,
+operators `nextn_cpu::fp8_block_linear` / `quantized_grouped_product` with fakes of their
+own, decoding the weight tile by tile inside the product; the grouped one decodes only the
+groups that have rows) once the project's extension is loaded
+(`runtime.kernels.cpu_extension`): one opaque node either way, and no Python call inside
+a compiled step.
 """
 
 from __future__ import annotations
@@ -83,22 +86,28 @@ def fp8_block_linear_reference(
     return F.linear(x, weight) if codes.dim() == 2 else torch.bmm(x, weight.transpose(1, 2))
 
 
-def _kernel_serves(x: torch.Tensor, op: str) -> bool:
-    return (
-        cpu_extension.serves(x)
-        and x.dtype in (torch.float32, torch.bfloat16)
-        and hasattr(torch.ops.nextn_cpu, op)
-    )
+def _kernel_serves(x: torch.Tensor) -> bool:
+    return cpu_extension.serves(x) and x.dtype in (torch.float32, torch.bfloat16)
+
+
+def fp8_linear(
+    x: torch.Tensor, codes: torch.Tensor, scale_inv: torch.Tensor, block: list[int]
+) -> torch.Tensor:
+    """What layers call: on CPU the C++ kernel (an operator with a fake, which a compiled
+    step calls without Python), elsewhere the custom op."""
+    if not _kernel_serves(x):
+        return fp8_block_linear(x, codes, scale_inv, block)
+    kernel = torch.ops.nextn_cpu.fp8_block_linear
+    if codes.dim() == 3:
+        return kernel(x, codes, scale_inv, block[0], block[1])
+    out = kernel(x.reshape(-1, x.shape[-1]), codes, scale_inv, block[0], block[1])
+    return out.view(*x.shape[:-1], codes.shape[0])
 
 
 @torch.library.custom_op("nextn::fp8_block_linear", mutates_args=())
 def fp8_block_linear(
     x: torch.Tensor, codes: torch.Tensor, scale_inv: torch.Tensor, block: list[int]
 ) -> torch.Tensor:
-    if _kernel_serves(x, "fp8_block_linear") and codes.dim() == 2:
-        flat = x.reshape(-1, x.shape[-1])
-        out = torch.ops.nextn_cpu.fp8_block_linear(flat, codes, scale_inv, block[0], block[1])
-        return out.view(*x.shape[:-1], codes.shape[0])
     return fp8_block_linear_reference(x, codes, scale_inv, block)
 
 
@@ -128,10 +137,22 @@ def quantized_grouped_product(
     fmt: str,
     block_k: int,
 ) -> torch.Tensor:
-    if _kernel_serves(x, "quantized_grouped_product"):
+    return quantized_grouped_reference(x, codes, scale, group_ends, fmt, block_k)
+
+
+def grouped_quantized(
+    x: torch.Tensor,
+    codes: torch.Tensor,
+    scale: torch.Tensor,
+    group_ends: torch.Tensor,
+    fmt: str,
+    block_k: int,
+) -> torch.Tensor:
+    """What the experts call: on CPU the C++ kernel, elsewhere the custom op."""
+    if _kernel_serves(x):
         op = torch.ops.nextn_cpu.quantized_grouped_product
         return op(x, codes, scale, group_ends, fmt, block_k)
-    return quantized_grouped_reference(x, codes, scale, group_ends, fmt, block_k)
+    return quantized_grouped_product(x, codes, scale, group_ends, fmt, block_k)
 
 
 @quantized_grouped_product.register_fake

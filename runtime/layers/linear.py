@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from runtime.distributed import ParallelGroup, all_gather_last_dim, all_reduce
-from runtime.kernels.quantized_product import fp8_block_linear
+from runtime.kernels.quantized_product import fp8_linear
 from runtime.layers.narrow_weights import linear_product
 from runtime.layers.quantized import quantized_format, store_weight
 from runtime.layers.weight_utils import (
@@ -63,7 +63,7 @@ class LinearBase(nn.Module):
         if quant is None:
             return linear_product(x, self, "weight", bias)
         _, block_k = quant  # FP8 is the one format linear layers keep
-        y = fp8_block_linear(x, self.weight, self.weight_scale_inv, [1, block_k])
+        y = fp8_linear(x, self.weight, self.weight_scale_inv, [1, block_k])
         return y if bias is None else y + bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -82,8 +82,8 @@ def test_fp8_kernel_matches_reference(kernels, m, n, k, b0, b1, dtype):
     expected = qp.fp8_block_linear_reference(x.float(), codes, scale, [b0, b1]).to(dtype)
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got, expected, atol=tol * expected.abs().max().item(), rtol=tol)
-    with torch.no_grad():  # the op's CPU path is the kernel (which has no backward)
-        assert torch.equal(qp.fp8_block_linear(x, codes, scale, [b0, b1]), got)
+    with torch.no_grad():  # what layers call is the kernel on CPU (it has no backward)
+        assert torch.equal(qp.fp8_linear(x, codes, scale, [b0, b1]), got)
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
@@ -103,6 +103,17 @@ def test_grouped_kernel_matches_reference(kernels, fmt, rows):
     torch.testing.assert_close(got, expected, atol=1e-4 * expected.abs().max().item(), rtol=1e-4)
 
 
+def test_batched_fp8_kernel_matches_reference(kernels):
+    """Grouped projections (V4's `wo_a`): x [G, M, K] with codes [G, N, K]."""
+    pairs = [random_fp8(12, 40, 1, 8, seed=g) for g in range(3)]
+    codes, scale = torch.stack([c for c, _ in pairs]), torch.stack([s for _, s in pairs])
+    x = torch.randn(3, 2, 40)
+    expected = qp.fp8_block_linear_reference(x, codes, scale, [1, 8])
+    with torch.no_grad():
+        got = qp.fp8_linear(x, codes, scale, [1, 8])
+    torch.testing.assert_close(got, expected, atol=1e-4 * expected.abs().max().item(), rtol=1e-4)
+
+
 def test_ops_have_fakes():
     """Each product is one opaque operator whose fake gives the output's shape."""
     codes, scale = random_fp8(12, 32, 1, 16)
@@ -115,5 +126,27 @@ def test_ops_have_fakes():
     torch.library.opcheck(
         qp.quantized_grouped_product,
         (x, mx_codes, mx_scale, ends, "mxfp4", 32),
+        test_utils=("test_faketensor",),
+    )
+
+
+def test_kernels_have_fakes(kernels):
+    codes, scale = random_fp8(12, 32, 1, 16)
+    torch.library.opcheck(
+        torch.ops.nextn_cpu.fp8_block_linear.default,
+        (torch.randn(3, 32), codes, scale, 1, 16),
+        test_utils=("test_faketensor",),
+    )
+    mx_codes, mx_scale = random_mxfp4(2, 12, 32)
+    torch.library.opcheck(
+        torch.ops.nextn_cpu.quantized_grouped_product.default,
+        (
+            torch.randn(3, 32),
+            mx_codes,
+            mx_scale,
+            torch.tensor([1, 3], dtype=torch.int32),
+            "mxfp4",
+            32,
+        ),
         test_utils=("test_faketensor",),
     )

@@ -169,20 +169,29 @@ void product(const at::Tensor& x, int64_t N, int64_t block, const Rows& rows, at
   }
 }
 
+// x [M, K] with codes [N, K], or a batch: x [G, M, K] with codes [G, N, K] and scale
+// [G, ceil(N/b0), KB] (DeepSeek-V4's grouped wo_a).
 at::Tensor fp8_block_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
                             int64_t b0, int64_t b1) {
-  TORCH_CHECK(x.dim() == 2 && codes.dim() == 2 && x.size(1) == codes.size(1),
-              "fp8_block_linear: x [M, K] and codes [N, K] expected");
+  const bool batched = codes.dim() == 3;
+  TORCH_CHECK((codes.dim() == 2 || batched) && x.dim() == codes.dim() && scale.dim() == codes.dim() &&
+                  x.size(-1) == codes.size(-1) && (!batched || x.size(0) == codes.size(0)),
+              "fp8_block_linear: x [M, K] with codes [N, K], or x [G, M, K] with codes [G, N, K]");
   TORCH_CHECK(codes.scalar_type() == at::kFloat8_e4m3fn, "fp8_block_linear: e4m3 codes expected");
-  const int64_t N = codes.size(0), K = codes.size(1);
-  TORCH_CHECK(b0 >= 1 && b1 >= 1 && scale.scalar_type() == at::kFloat && scale.dim() == 2 &&
-                  scale.size(0) == (N + b0 - 1) / b0 && scale.size(1) == (K + b1 - 1) / b1,
+  const int64_t N = codes.size(-2), K = codes.size(-1), G = batched ? codes.size(0) : 1;
+  TORCH_CHECK(b0 >= 1 && b1 >= 1 && scale.scalar_type() == at::kFloat &&
+                  scale.size(-2) == (N + b0 - 1) / b0 && scale.size(-1) == (K + b1 - 1) / b1,
               "fp8_block_linear: scale [ceil(N/b0), ceil(K/b1)] float32 expected");
   at::Tensor xf = x.to(at::kFloat).contiguous();
   at::Tensor c = codes.contiguous().view(at::kByte), s = scale.contiguous();
-  at::Tensor out = at::empty({x.size(0), N}, xf.options());
-  Fp8Rows rows{c.data_ptr<uint8_t>(), s.data_ptr<float>(), K, s.size(1), b0, b1};
-  product(xf, N, b1, rows, out);
+  const int64_t M = x.size(-2), KB = s.size(-1), SR = s.size(-2);
+  at::Tensor out = at::empty(batched ? at::IntArrayRef{G, M, N} : at::IntArrayRef{M, N},
+                             xf.options());
+  for (int64_t g = 0; g < G; ++g) {
+    Fp8Rows rows{c.data_ptr<uint8_t>() + g * N * K, s.data_ptr<float>() + g * SR * KB, K, KB, b0,
+                 b1};
+    product(batched ? xf[g] : xf, N, b1, rows, batched ? out[g] : out);
+  }
   return out.to(x.scalar_type());
 }
 

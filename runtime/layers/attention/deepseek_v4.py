@@ -36,7 +36,7 @@ from runtime.cache.deepseek_v4_pool import DeepseekV4KVPool
 from runtime.core.forward_context import ForwardContext
 from runtime.distributed import ParallelGroup
 from runtime.kernels.indexer_topk import indexer_topk
-from runtime.kernels.quantized_product import fp8_block_linear
+from runtime.kernels.quantized_product import fp8_linear
 from runtime.kernels.row_gather import take_rows
 from runtime.kernels.sink_attention import (
     TileKeys,
@@ -426,7 +426,7 @@ class DeepseekV4Attention(nn.Module):
         if quant is not None:  # FP8 codes, one scale row per weight row: grouped alike
             codes = self.wo_a.weight.view(self.o_groups, self.o_lora_rank, -1)
             scales = self.wo_a.weight_scale_inv.view(self.o_groups, self.o_lora_rank, -1)
-            y = fp8_block_linear(grouped.contiguous(), codes, scales, [1, quant[1]])
+            y = fp8_linear(grouped.contiguous(), codes, scales, [1, quant[1]])
             return y.transpose(0, 1).flatten(1)
         w, path = product_weight(self.wo_a, "weight", out.shape[0])
         w = w.view(self.o_groups, self.o_lora_rank, -1)

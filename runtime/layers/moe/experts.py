@@ -37,7 +37,7 @@ from torch import nn
 from runtime.core.capture import in_capture
 from runtime.distributed import ParallelGroup, all_reduce
 from runtime.kernels.narrow_product import narrow_product
-from runtime.kernels.quantized_product import quantized_grouped_product
+from runtime.kernels.quantized_product import grouped_quantized
 from runtime.kernels.swiglu import swiglu
 from runtime.layers.narrow_weights import (
     experts_kernel_ready,
@@ -196,9 +196,7 @@ class FusedMoEExperts(nn.Module):
             return grouped_product(rows, self, name, group_ends)
         fmt, block_k = quant
         scales = getattr(self, scale_name(name, fmt))
-        return quantized_grouped_product(
-            rows, getattr(self, name), scales, group_ends, fmt, block_k
-        )
+        return grouped_quantized(rows, getattr(self, name), scales, group_ends, fmt, block_k)
 
     def forward(
         self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
