@@ -167,6 +167,8 @@ class LazyDequantized(_Window):
         rows = torch.arange(r0, r1) // b0
         scale = scale.index_select(0, rows)[:, c0 // b1 : -(-c1 // b1)].contiguous()
         codes = self.weight.narrow(0, r0, r1 - r0).narrow(1, c0, c1 - c0).materialize()
+        if bool(((codes.view(torch.uint8) & 0x7F) == 0x7F).any()):
+            raise self._refuse("a weight code is NaN (0x7F / 0xFF in e4m3)")
         return QuantizedPiece("fp8", codes, scale, b1, self.name)
 
     def _mxfp4_piece(self) -> QuantizedPiece:

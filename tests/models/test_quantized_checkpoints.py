@@ -192,6 +192,13 @@ def short_mxfp4_scale(state):
     state[name] = state[name][:, :-1]
 
 
+def nan_fp8_code(state):
+    name = "layers.3.attn.wo_a.weight"
+    codes = state[name].view(torch.uint8).clone()
+    codes[0, 0] = 0x7F
+    state[name] = codes.view(torch.float8_e4m3fn)
+
+
 def wrong_codes_shape(state):
     name = "layers.0.attn.wo_b.weight"
     state[name] = torch.cat([state[name], state[name][:1]])
@@ -205,6 +212,7 @@ def wrong_codes_shape(state):
         (corrupt_fp8_scale, "layers.1.attn.wq_b"),
         (nan_mxfp4_scale, "layers.0.ffn.experts.3.w2"),
         (short_mxfp4_scale, "layers.2.ffn.experts.1.w1"),
+        (nan_fp8_code, "layers.3.attn.wo_a"),
         (wrong_codes_shape, "layers.0.attn.wo_b"),
     ],
 )

@@ -53,7 +53,16 @@ def kernels():
         pytest.skip("the C++ CPU kernels cannot be built here")
 
 
-SHAPES = [(1, 40, 96, 8, 8), (4, 33, 70, 128, 32), (19, 130, 256, 128, 128), (3, 16, 24, 1, 8)]
+# (rows, out, in, b0, b1): few rows with blocks of 16 columns or more (decoded in registers),
+# narrower blocks or ragged widths (decoded into a buffer), many rows (panels and a GEMM)
+SHAPES = [
+    (1, 40, 256, 128, 128),
+    (8, 17, 128, 1, 32),
+    (1, 40, 96, 8, 8),
+    (4, 33, 70, 128, 32),
+    (19, 130, 256, 128, 128),
+    (3, 16, 24, 1, 8),
+]
 
 
 @pytest.mark.parametrize("m, n, k, b0, b1", SHAPES)

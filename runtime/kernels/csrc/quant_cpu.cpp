@@ -19,6 +19,9 @@
 // order of the sums differs from the reference.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 #include <torch/library.h>
 
 #include <algorithm>
@@ -143,6 +146,89 @@ void few_rows(const float* x, int64_t M, int64_t N, int64_t K, int64_t block, co
   });
 }
 
+#if defined(__AVX512F__)
+// 16 e4m3 codes -> their values * 2^-8: each code's bits moved into an fp16's (sign; the 4
+// exponent bits into the low exponent bits, the 3 mantissa bits on top of the mantissa) give
+// the same number with exponent bias 15 instead of 7, subnormals included, and the hardware
+// widens fp16 exactly. NaN codes are refused at load (they would decode as finite).
+inline __m512 fp8x16_down8(const uint8_t* p) {
+  const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8);
+  const __m256i mag = _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7F)), 7);
+  return _mm512_cvtph_ps(_mm256_or_si256(sign, mag));
+}
+
+// 16 bytes = 32 E2M1 codes (low nibble first) -> their values * 2^-14, the same way (bias 1
+// -> 15): values 0..15 in `lo`, 16..31 in `hi`.
+inline void mxfp4x32_down14(const uint8_t* p, __m512* lo, __m512* hi) {
+  const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m512i pairs = _mm512_or_si512(_mm512_and_si512(b, _mm512_set1_epi32(0x0F)),
+                                        _mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0xF0)), 12));
+  const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(pairs, _mm512_set1_epi32(0x00080008)), 12);
+  const __m512i mag = _mm512_slli_epi32(_mm512_and_si512(pairs, _mm512_set1_epi32(0x00070007)), 9);
+  const __m512i bits = _mm512_or_si512(sign, mag);
+  *lo = _mm512_cvtph_ps(_mm512_castsi512_si256(bits));
+  *hi = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(bits, 1));
+}
+
+inline void fma_rows(const float* x, int64_t ldx, int64_t M, int64_t k, __m512 w, __m512* acc) {
+  for (int64_t m = 0; m < M; ++m) acc[m] = _mm512_fmadd_ps(_mm512_loadu_ps(x + m * ldx + k), w, acc[m]);
+}
+
+// few_rows with decoding fused into the products (AVX-512): each 16 / 32 codes are decoded
+// in registers, scaled exactly, and multiplied into every input row's accumulator.
+bool few_rows_fused(const float* x, int64_t M, int64_t N, int64_t K, const Fp8Rows& rows,
+                    float* out, int64_t ldo) {
+  if (rows.b1 % 16 || K % 16) return false;
+  at::parallel_for(0, N, kTileN, [&](int64_t first, int64_t last) {
+    const __m512 up8 = _mm512_set1_ps(256.0f);
+    for (int64_t n = first; n < last; ++n) {
+      __m512 acc[kMaxFewRows];
+      for (int64_t m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+      const uint8_t* row = rows.codes + n * K;
+      const float* row_scale = rows.scale + (n / rows.b0) * rows.KB;
+      for (int64_t k0 = 0, kb = 0; k0 < K; k0 += rows.b1, ++kb) {
+        const __m512 s = _mm512_set1_ps(row_scale[kb]);
+        const int64_t end = std::min(K, k0 + rows.b1);
+        for (int64_t k = k0; k < end; k += 16) {
+          const __m512 w = _mm512_mul_ps(_mm512_mul_ps(fp8x16_down8(row + k), up8), s);
+          fma_rows(x, K, M, k, w, acc);
+        }
+      }
+      for (int64_t m = 0; m < M; ++m) out[m * ldo + n] = _mm512_reduce_add_ps(acc[m]);
+    }
+  });
+  return true;
+}
+
+bool few_rows_fused(const float* x, int64_t M, int64_t N, int64_t K, const Mxfp4Rows& rows,
+                    float* out, int64_t ldo) {
+  at::parallel_for(0, N, kTileN, [&](int64_t first, int64_t last) {
+    const __m512 up14 = _mm512_set1_ps(16384.0f);
+    for (int64_t n = first; n < last; ++n) {
+      __m512 acc[kMaxFewRows];
+      for (int64_t m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+      const uint8_t* row = rows.codes + n * (K / 2);
+      const uint8_t* groups = rows.scale + n * (K / kMxGroup);
+      for (int64_t g = 0; g < K / kMxGroup; ++g) {
+        const __m512 s = _mm512_set1_ps(e8m0_value(groups[g]));
+        __m512 lo, hi;
+        mxfp4x32_down14(row + g * (kMxGroup / 2), &lo, &hi);
+        fma_rows(x, K, M, g * kMxGroup, _mm512_mul_ps(_mm512_mul_ps(lo, up14), s), acc);
+        fma_rows(x, K, M, g * kMxGroup + 16, _mm512_mul_ps(_mm512_mul_ps(hi, up14), s), acc);
+      }
+      for (int64_t m = 0; m < M; ++m) out[m * ldo + n] = _mm512_reduce_add_ps(acc[m]);
+    }
+  });
+  return true;
+}
+#else
+template <typename Rows>
+bool few_rows_fused(const float*, int64_t, int64_t, int64_t, const Rows&, float*, int64_t) {
+  return false;
+}
+#endif
+
 // The same product for many rows: decoded panels of kPanelN weight rows through ATen's GEMM.
 template <typename Rows>
 void many_rows(const at::Tensor& x, int64_t N, int64_t K, int64_t block, const Rows& rows,
@@ -163,7 +249,9 @@ void product(const at::Tensor& x, int64_t N, int64_t block, const Rows& rows, at
   const int64_t M = x.size(0), K = x.size(1);
   if (M == 0) return;
   if (M <= kMaxFewRows) {
-    few_rows(x.data_ptr<float>(), M, N, K, block, rows, out.data_ptr<float>(), out.stride(0));
+    float* o = out.data_ptr<float>();
+    if (!few_rows_fused(x.data_ptr<float>(), M, N, K, rows, o, out.stride(0)))
+      few_rows(x.data_ptr<float>(), M, N, K, block, rows, o, out.stride(0));
   } else {
     many_rows(x, N, K, block, rows, out);
   }
