@@ -298,3 +298,35 @@ def test_unknown_quantization_is_refused_by_flag_name():
 
     with pytest.raises(ValueError, match="--quantization 'int4' is not supported"):
         EngineConfig(quantization="int4").resolve()
+
+
+@pytest.mark.slow
+def test_captured_steps_keep_greedy_tokens(quantized, monkeypatch):
+    """Compiled decode steps call the quantized operators as opaque nodes: once they are
+    ready, greedy tokens still equal dequantize-on-load's eager ones."""
+    from runtime.configs.capture import DISABLE_ENV
+
+    experts, path = quantized
+    if experts != "mxfp4":
+        pytest.skip("one format is enough for the compile")
+    expected = generate(path, "none")
+    monkeypatch.delenv(DISABLE_ENV, raising=False)
+    engine = Engine(
+        model_path=str(path),
+        dtype="float32",
+        page_size=4,
+        max_running_requests=4,
+        max_total_tokens=512,
+        cuda_graph_bs=[4],
+    )
+    prompts = [random_ids(n, seed=n).tolist() for n in (5, 13, 21)]
+    try:
+        engine.generate(input_ids=prompts, sampling_params=GREEDY)  # queues the compile
+        graphs = engine.runner.graph_runner
+        assert graphs.wait_until_idle(timeout=600)
+        ready = [s for s in graphs.compiled_steps() if s[1] == "ready"]
+        assert ready, graphs.compiled_steps()
+        out = engine.generate(input_ids=prompts, sampling_params=GREEDY)
+    finally:
+        engine.shutdown()
+    assert [r["output_ids"] for r in out] == expected
