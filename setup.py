@@ -40,6 +40,8 @@ setup(
             "matplotlib>=3.7",
             "jsonschema>=4",
         ],
+        # GPU kernels (runtime/kernels/quantized_triton.py); without it the references serve
+        "triton": ["triton>=3.0"],
     },
     entry_points={"console_scripts": ["launch_server=runtime.launch_server:main"]},
 )

@@ -21,9 +21,10 @@ holds it as one opaque node whose output shape follows its input's:
   [G], fmt, block_k) -> [A, N]`: rows sorted by group, group g times expert g's weight
   (`runtime.kernels.grouped_gemm`'s contract), `fmt` "fp8" or "mxfp4".
 
-Their bodies are the references: they dequantize the whole weight to `x.dtype` (in float32
-first, exactly as the checkpoint loader's dequantize-on-load does) and multiply; they
-define correctness and are what runs where no kernel serves. Layers call `fp8_linear` and
+The references dequantize the whole weight to `x.dtype` (in float32 first, exactly as the
+checkpoint loader's dequantize-on-load does) and multiply: they define correctness and are
+the ops' bodies where no kernel serves (on CUDA `fp8_block_linear` runs the Triton kernel of
+`runtime.kernels.quantized_triton` where triton is installed). Layers call `fp8_linear` and
 `grouped_quantized`, which on CPU go to the C++ kernels instead (`csrc/quant_cpu.cpp`,
 operators `nextn_cpu::fp8_block_linear` / `quantized_grouped_product` with fakes of their
 own, decoding the weight tile by tile inside the product; the grouped one decodes only the
@@ -37,7 +38,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from runtime.kernels import cpu_extension
+from runtime.kernels import cpu_extension, quantized_triton
 from runtime.kernels.grouped_gemm import grouped_gemm
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -108,6 +109,8 @@ def fp8_linear(
 def fp8_block_linear(
     x: torch.Tensor, codes: torch.Tensor, scale_inv: torch.Tensor, block: list[int]
 ) -> torch.Tensor:
+    if x.device.type == "cuda" and codes.dim() == 2 and quantized_triton.available():
+        return quantized_triton.fp8_block_linear_triton(x, codes, scale_inv, block)
     return fp8_block_linear_reference(x, codes, scale_inv, block)
 
 
