@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from runtime.kernels.quantized_product import FP8_DTYPE, MXFP4_GROUP
-from runtime.layers.weight_utils import copy_checked, set_weight_loader
+from runtime.layers.weight_utils import copy_checked
 
 FORMATS = ("fp8", "mxfp4")
 
@@ -68,11 +68,9 @@ def _quantize_param(module: nn.Module, name: str, fmt: str, block_k: int) -> Non
             )
         codes_shape, codes_dtype = (*lead, k // 2), torch.uint8
         scales_shape, scales_dtype = (*lead, k // MXFP4_GROUP), torch.uint8
-    loader = getattr(old, "weight_loader", None)
     codes = nn.Parameter(torch.empty(codes_shape, dtype=codes_dtype), requires_grad=False)
     scales = nn.Parameter(torch.empty(scales_shape, dtype=scales_dtype), requires_grad=False)
-    if loader is not None:
-        set_weight_loader(codes, loader)
+    codes.__dict__.update(old.__dict__)  # its weight_loader and what that loader reads
     setattr(module, name, codes)
     setattr(module, scale_name(name, fmt), scales)
     if "quantized_weights" not in module.__dict__:

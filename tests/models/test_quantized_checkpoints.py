@@ -330,3 +330,25 @@ def test_captured_steps_keep_greedy_tokens(quantized, monkeypatch):
     finally:
         engine.shutdown()
     assert [r["output_ids"] for r in out] == expected
+
+
+def test_none_reproduces_dequantized_values_exactly(source, quantized, tmp_path):
+    """`--quantization none` loads exactly the values the format defines: its logits equal,
+    bit for bit, those of a float checkpoint holding the test's own dequantized weights."""
+    experts, path = quantized
+    state = load_file(str(source / "model.safetensors"))
+    dense = {}
+    for name, w in state.items():
+        if name.endswith(FP8_SUFFIXES + MTP_FP8_SUFFIXES) or (
+            experts == "fp8" and is_routed_expert(name)
+        ):
+            dense[name] = quantize_fp8_blocks(w, block=BLOCK, e8m0=True)[2]
+        elif is_routed_expert(name):
+            dense[name] = quantize_mxfp4(w)[2]
+        else:
+            dense[name] = w
+    reference = tmp_path / "dense"
+    reference.mkdir()
+    (reference / "config.json").write_text((source / "config.json").read_text())
+    save_file(dense, str(reference / "model.safetensors"))
+    assert torch.equal(prefill_logits(path, "none"), prefill_logits(reference, "auto"))
