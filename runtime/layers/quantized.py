@@ -2,7 +2,10 @@
 """Weights kept in their checkpoint's quantized format (`--quantization`).
 
 A checkpoint loader that keeps a format hands each weight loader a lazy window with
-`keep_quantized = True` and a `quantized()` method returning a `QuantizedPiece`: the
+`keep_quantized = True`, its format in `kind` ("fp8" / "mxfp4") and a `quantized()` method
+returning a piece (`runtime.model_loader.lazy.QuantizedPiece`: `fmt`, `codes`, `scale`,
+`block_k`, `name`; FP8 `codes [..., N, K]` e4m3 with `scale [..., N, ceil(K/block_k)]`
+float32, MXFP4 `codes [..., N, K/2]` uint8 with `scale [..., N, K/32]` E8M0 bytes): the
 window's codes and scales, already cut together (FP8: one scale row per weight row, so a
 row split or a stacked part of any size keeps its scales; columns split along whole scale
 blocks). Layers that can multiply quantized weights store pieces with `store_weight`; on the
@@ -14,7 +17,6 @@ bytes. Every other parameter materializes the window, which dequantizes it.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -23,20 +25,6 @@ from runtime.kernels.quantized_product import FP8_DTYPE, MXFP4_GROUP
 from runtime.layers.weight_utils import copy_checked
 
 FORMATS = ("fp8", "mxfp4")
-
-
-@dataclass(frozen=True)
-class QuantizedPiece:
-    """A window of a quantized weight. `fp8`: `codes [..., N, K]` float8_e4m3fn, `scale
-    [..., N, ceil(K/block_k)]` float32. `mxfp4`: `codes [..., N, K/2]` uint8 (two E2M1 codes a
-    byte), `scale [..., N, K/32]` uint8 E8M0 bytes (`block_k` 32). `name`: the checkpoint
-    tensor, for errors."""
-
-    fmt: str
-    codes: torch.Tensor
-    scale: torch.Tensor
-    block_k: int
-    name: str = ""
 
 
 def keeps_quantized(loaded) -> bool:

@@ -14,10 +14,10 @@ the checkpoint moves on to the next tensor.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 
 import torch
 
-from runtime.layers.quantized import QuantizedPiece
 from runtime.model_loader.quantization import (
     MXFP4_GROUP,
     dequant_fp8_block,
@@ -26,6 +26,20 @@ from runtime.model_loader.quantization import (
     scale_to_float,
 )
 from runtime.model_loader.safetensors_io import CheckpointError, CheckpointIndex, walk_shards
+
+
+@dataclass(frozen=True)
+class QuantizedPiece:
+    """A window of a quantized weight as `runtime.layers.quantized` stores it. `fp8`: `codes
+    [..., N, K]` float8_e4m3fn, `scale [..., N, ceil(K/block_k)]` float32. `mxfp4`: `codes
+    [..., N, K/2]` uint8 (two E2M1 codes a byte), `scale [..., N, K/32]` uint8 E8M0 bytes
+    (`block_k` 32). `name`: the checkpoint tensor, for errors."""
+
+    fmt: str
+    codes: torch.Tensor
+    scale: torch.Tensor
+    block_k: int
+    name: str = ""
 
 
 def _full(shape) -> tuple[tuple[int, int], ...]:
