@@ -43,6 +43,9 @@ setup(
             # (TRITON_INTERPRET=1); on CUDA torch brings its own
             'triton==3.9.0; platform_system=="Linux" and platform_machine=="x86_64"',
         ],
+        # the Triton CUDA kernels (runtime/kernels/triton/, quantized_triton.py); on CUDA
+        # torch brings it, and without it the torch references serve
+        "triton": ["triton>=3.0"],
     },
     entry_points={"console_scripts": ["launch_server=runtime.launch_server:main"]},
 )

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from runtime.configs.capture import CAPTURE_COMPILE_MODES, DISABLE_ENV, CaptureConfig
-from runtime.configs.model_config import SUPPORTED_DTYPES, resolve_dtype
+from runtime.configs.model_config import QUANTIZATION_CHOICES, SUPPORTED_DTYPES, resolve_dtype
 from runtime.configs.parallel import ParallelLayout, parse_address
 from runtime.configs.speculative import SpeculativeConfig
 
@@ -84,6 +84,12 @@ class EngineConfig:
     tokenizer_path: str | None = setting(None, "tokenizer directory (default: the model path)")
     dtype: str = setting("auto", f"one of {', '.join(SUPPORTED_DTYPES)}")
     device: str = setting("cpu", "torch device")
+    quantization: str = setting(
+        "auto",
+        "quantized checkpoint weights kept in their format in memory (SGLang's flag): 'auto' "
+        "the formats config.json's quantization_config declares (FP8 block, MXFP4 experts), "
+        "'fp8' or 'mxfp4' only that one, 'none' dequantize every weight on load to --dtype",
+    )
     page_size: int = setting(1, "tokens per KV cache page")
     max_total_tokens: int = setting(65536, "KV cache capacity in tokens")
     max_running_requests: int | None = setting(
@@ -297,6 +303,11 @@ class EngineConfig:
             (
                 _known_dtype(self.dtype),
                 f"--dtype '{self.dtype}' is not supported; use one of {dtypes}",
+            ),
+            (
+                self.quantization in QUANTIZATION_CHOICES,
+                f"--quantization '{self.quantization}' is not supported; use one of "
+                f"{', '.join(QUANTIZATION_CHOICES)}",
             ),
             (self.page_size >= 1, f"--page-size must be >= 1, got {self.page_size}"),
             (self.max_running_requests >= 1, "--max-running-requests must be >= 1"),

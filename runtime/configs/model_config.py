@@ -54,6 +54,10 @@ def resolve_dtype(
     return _DTYPES[dtype]
 
 
+# `--quantization`: which quantized checkpoint formats stay quantized in memory
+QUANTIZATION_CHOICES = ("auto", "fp8", "mxfp4", "none")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     model_path: str
@@ -62,6 +66,8 @@ class ModelConfig:
     architectures: tuple[str, ...]
     dtype: torch.dtype
     context_length: int
+    # which quantized checkpoint formats stay quantized in memory (`--quantization`)
+    quantization: str = "auto"
 
     @property
     def vocab_size(self) -> int:
@@ -81,6 +87,7 @@ class ModelConfig:
         dtype: str | torch.dtype = "auto",
         context_length: int | None = None,
         device: str | None = "cpu",
+        quantization: str = "auto",
     ) -> ModelConfig:
         """`device`: where the model will run (`--dtype auto` on a CPU picks the faster of
         the checkpoint's dtype and float32; None keeps the checkpoint's)."""
@@ -120,6 +127,7 @@ class ModelConfig:
             architectures,
             resolve_dtype(dtype, config_dtype, device),
             context_length or max_positions,
+            quantization,
         )
 
 

@@ -32,7 +32,7 @@ def engine_setup(config: EngineConfig, device: str) -> EngineSetup:
     """`config` must be resolved."""
     spec = config.speculative_config()
     model_config = ModelConfig.from_path(
-        config.model_path, config.dtype, config.context_length, device
+        config.model_path, config.dtype, config.context_length, device, config.quantization
     )
     pass_width = spec.num_draft_tokens if spec else 1
     table = build_slot_table(config, model_config.context_length, pass_width, device)

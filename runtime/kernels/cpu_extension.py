@@ -15,7 +15,9 @@ torch ops the same way):
 * `hc_pre`, `hc_post` and `sinkhorn`: mHC's collapse of the streams (mixing weights,
   Sinkhorn, weighted sum), stream expansion and Sinkhorn normalisation, the first two in
   captured steps too (`runtime.kernels.hc_pre`, `runtime.kernels.stream_expand`,
-  `runtime.kernels.sinkhorn`).
+  `runtime.kernels.sinkhorn`);
+* `fp8_block_linear`, `quantized_grouped_product` (`csrc/quant_cpu.cpp`): products with
+  FP8-block / MXFP4 weights kept quantized (`runtime.kernels.quantized_product`).
 
 `load` builds the extension with `torch.utils.cpp_extension` (about 20 s once per machine,
 then loaded from its build directory) and registers the fakes; the graph runner calls it
@@ -44,6 +46,8 @@ from runtime.kernels import dense_product
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "nextn_cpu.cpp"
+# further sources of the same extension (operators added with TORCH_LIBRARY_FRAGMENT)
+EXTRA_SOURCES = (Path(__file__).resolve().parent / "csrc" / "quant_cpu.cpp",)
 DISABLE_ENV = "NEXTN_DISABLE_CPU_KERNELS"
 # the instruction sets the kernels are built for, by what this torch build dispatches to
 ISA_FLAGS = {
@@ -118,7 +122,8 @@ def _build(cache_dir: Path | str | None) -> None:
     # a build serves one source, flags, torch and Python (a shared cache directory may see
     # several installs; an extension built against another torch must not be loaded)
     built_for = repr((flags, torch.__version__, sys.version)).encode()
-    tag = hashlib.sha256(SOURCE.read_bytes() + built_for).hexdigest()[:12]
+    sources = (SOURCE, *EXTRA_SOURCES)
+    tag = hashlib.sha256(b"".join(p.read_bytes() for p in sources) + built_for).hexdigest()[:12]
     name = f"nextn_cpu_{isa.lower()}_{tag}"
     build_dir = None
     if cache_dir is not None:
@@ -127,7 +132,7 @@ def _build(cache_dir: Path | str | None) -> None:
         wait_for_build_lock(build_dir / "lock")
     cpp_extension.load(
         name=name,
-        sources=[str(SOURCE)],
+        sources=[str(p) for p in sources],
         extra_cflags=flags,
         build_directory=None if build_dir is None else str(build_dir),
         is_python_module=False,
@@ -146,6 +151,8 @@ def _build(cache_dir: Path | str | None) -> None:
     torch.library.register_fake("nextn_cpu::dense_product")(_dense_product_fake)
     torch.library.register_fake("nextn_cpu::group_attention")(_group_attention_fake)
     torch.library.register_fake("nextn_cpu::dense_grouped_product")(_dense_grouped_product_fake)
+    torch.library.register_fake("nextn_cpu::fp8_block_linear")(_fp8_block_linear_fake)
+    torch.library.register_fake("nextn_cpu::quantized_grouped_product")(_quantized_grouped_fake)
 
 
 def wait_for_build_lock(
@@ -220,6 +227,14 @@ def _dense_product_fake(x, weight, bias=None):
 
 def _dense_grouped_product_fake(x, weight, group_ends):
     return x.new_empty((x.shape[0], weight.shape[1]))
+
+
+def _fp8_block_linear_fake(x, codes, scale, b0, b1):
+    return x.new_empty((*x.shape[:-1], codes.shape[-2]))
+
+
+def _quantized_grouped_fake(x, codes, scale, group_ends, fmt, block_k):
+    return x.new_empty((x.shape[0], codes.shape[1]))
 
 
 def _tile_product_fake(x, packed, n, group_ends=None):

@@ -15,7 +15,9 @@ import torch
 from torch import nn
 
 from runtime.distributed import ParallelGroup, all_gather_last_dim, all_reduce
+from runtime.kernels.quantized_product import fp8_linear
 from runtime.layers.narrow_weights import linear_product
+from runtime.layers.quantized import quantized_format, store_weight
 from runtime.layers.weight_utils import (
     WeightShapeError,
     copy_checked,
@@ -41,13 +43,31 @@ class LinearBase(nn.Module):
         self.bias = make_param((output_size,), params_dtype, self.bias_loader) if bias else None
 
     def weight_loader(self, param: torch.Tensor, loaded, shard_id=None) -> None:
-        copy_checked(param.data, loaded)
+        self._store(param, loaded)
 
     def bias_loader(self, param: torch.Tensor, loaded, shard_id=None) -> None:
         copy_checked(param.data, loaded)
 
+    def _store(self, param: torch.Tensor, loaded, rows: slice | None = None) -> None:
+        """Copy a checkpoint piece into `param` (or its `rows`); the weight may keep a
+        quantized piece in its format (`runtime.layers.quantized`)."""
+        if param is self.bias:
+            copy_checked(param.data if rows is None else param.data[rows], loaded)
+            return
+        select = (lambda t: t) if rows is None else (lambda t: t[rows])
+        store_weight(self, "weight", loaded, select, formats=("fp8",))
+
+    def product(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """`x W^T (+ bias)` over the float weight or its quantized codes and scales."""
+        quant = quantized_format(self, "weight")
+        if quant is None:
+            return linear_product(x, self, "weight", bias)
+        _, block_k = quant  # FP8 is the one format linear layers keep
+        y = fp8_linear(x, self.weight, self.weight_scale_inv, [1, block_k])
+        return y if bias is None else y + bias
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear_product(x, self, "weight", self.bias)
+        return self.product(x, self.bias)
 
     def extra_repr(self) -> str:
         return f"in={self.input_size}, out={self.output_size}, bias={self.bias is not None}"
@@ -76,12 +96,12 @@ class ColumnParallelLinear(LinearBase):
     def weight_loader(self, param, loaded, shard_id=None) -> None:
         if self.tp.size > 1:
             loaded = shard_of(loaded, 0, self.tp.rank, self.tp.size, self.full_output_size)
-        copy_checked(param.data, loaded)
+        self._store(param, loaded)
 
     bias_loader = weight_loader
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear_product(x, self, "weight", self.bias)
+        y = self.product(x, self.bias)
         return all_gather_last_dim(y, self.tp) if self.gather_output else y
 
 
@@ -133,7 +153,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
             )
         first, rows = self.local_rows(part)
         offset = self._part_offset(part)
-        copy_checked(param.data[offset : offset + rows], loaded.narrow(0, first, rows))
+        self._store(param, loaded.narrow(0, first, rows), slice(offset, offset + rows))
 
     def weight_loader(self, param, loaded, shard_id=None) -> None:
         if shard_id is None:  # an already-stacked tensor (e.g. HF `gate_up_proj`)
@@ -210,10 +230,10 @@ class RowParallelLinear(LinearBase):
     def weight_loader(self, param, loaded, shard_id=None) -> None:
         if self.tp.size > 1:
             loaded = shard_of(loaded, 1, self.tp.rank, self.tp.size, self.full_input_size)
-        copy_checked(param.data, loaded)
+        self._store(param, loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear_product(x, self)
+        y = self.product(x)
         if self.reduce_results:
             y = all_reduce(y, self.tp)
         # The bias is added once, after the reduction, not once per rank.

@@ -11,7 +11,9 @@ from torch import nn
 
 from runtime.configs.model_config import ModelConfig
 from runtime.distributed import Mapping
-from runtime.model_loader.loader import checkpoint_weights
+from runtime.model_loader.loader import checkpoint_formats, checkpoint_weights
+from runtime.model_loader.quantization import formats_to_keep
+from runtime.model_loader.safetensors_io import CheckpointError, CheckpointIndex
 
 
 @contextlib.contextmanager
@@ -44,6 +46,7 @@ def load_model(
     progress: bool = True,
 ) -> nn.Module:
     """`model_cls` defaults to the registry's class for the checkpoint's architecture."""
+    keep = kept_formats(model_config)
     model = build_model(model_config, model_cls, mapping)
     skip = getattr(model, "skip_checkpoint_weight", None)
     # block_size=None: the FP8 block size comes from the checkpoint's quantization_config
@@ -55,6 +58,24 @@ def load_model(
         progress=progress,
         skip=skip,
         lazy=True,
+        keep_formats=keep,
     )
     model.load_weights(weights)
     return model
+
+
+def kept_formats(model_config: ModelConfig) -> frozenset[str]:
+    """The formats `model_config.quantization` keeps quantized in memory; an explicit format
+    the checkpoint has no weights in is refused (there is no online quantization)."""
+    mode = getattr(model_config, "quantization", "auto")
+    keep = formats_to_keep(mode, model_config.raw_config)
+    if mode in ("auto", "none"):
+        return keep
+    present = checkpoint_formats(CheckpointIndex(model_config.model_path))
+    if not keep <= present:
+        raise CheckpointError(
+            f"--quantization {mode}: '{model_config.model_path}' holds no {mode} weights "
+            f"(it has {', '.join(sorted(present)) or 'no quantized weights'}); weights are "
+            f"not quantized online: use --quantization auto or none"
+        )
+    return keep

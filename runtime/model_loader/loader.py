@@ -54,6 +54,7 @@ def checkpoint_weights(
     progress: bool = True,
     skip: Callable[[str], bool] | None = None,
     lazy: bool = False,
+    keep_formats: frozenset[str] = frozenset(),
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Iterator of `(name, tensor)` over the checkpoint in `model_dir`.
 
@@ -66,7 +67,9 @@ def checkpoint_weights(
 
     `lazy=True` yields `LazyTensor` / `LazyDequantized` windows instead (see
     `runtime.model_loader.lazy`): nothing is read until a weight loader materializes the
-    rows or columns its rank holds. Each is valid until the next one is yielded.
+    rows or columns its rank holds. Each is valid until the next one is yielded. Windows of
+    a format in `keep_formats` ("fp8", "mxfp4"; lazy only) are marked `keep_quantized`: a
+    loader that multiplies that format stores their codes and scales (`--quantization`).
     """
     index = CheckpointIndex(model_dir)
     if block_size is None:
@@ -74,8 +77,10 @@ def checkpoint_weights(
     pairs = quantized_pairs(index)
     scales = set(pairs.values())
     names = [n for n in index.names() if n not in scales and not (skip and skip(n))]
+    if keep_formats and not lazy:
+        raise ValueError("keeping weights quantized needs lazy=True")
     if lazy:
-        return _stream_lazy(index, names, pairs, dtype, block_size, progress)
+        return _stream_lazy(index, names, pairs, dtype, block_size, progress, keep_formats)
     return _stream(index, names, pairs, dtype, block_size, progress)
 
 
@@ -86,6 +91,7 @@ def _stream_lazy(
     dtype: torch.dtype,
     block_size: tuple[int, int],
     progress: bool,
+    keep_formats: frozenset[str],
 ) -> Iterator[tuple[str, LazyTensor | LazyDequantized]]:
     with TensorReader(index) as scales:
         for name, tensor in iterate_lazy(index, names, progress=progress):
@@ -93,7 +99,8 @@ def _stream_lazy(
             if scale_name is None:
                 yield name, tensor
             else:
-                yield name, LazyDequantized(tensor, scales.get(scale_name), block_size, dtype)
+                scale = scales.get(scale_name)
+                yield name, LazyDequantized(tensor, scale, block_size, dtype, None, keep_formats)
 
 
 def _stream(
@@ -117,6 +124,14 @@ def _stream(
             except CheckpointError as e:
                 raise CheckpointError(f"cannot dequantize '{name}' with '{scale_name}': {e}") from e
             yield name, weight
+
+
+def checkpoint_formats(index: CheckpointIndex) -> set[str]:
+    """The quantized formats the checkpoint's weights are in ("fp8", "mxfp4"), by dtype."""
+    formats = set()
+    for name in quantized_pairs(index):
+        formats.add("fp8" if index.dtype(name) == torch.float8_e4m3fn else "mxfp4")
+    return formats
 
 
 def _config_block_size(model_dir: Path) -> tuple[int, int]:

@@ -51,6 +51,26 @@ def scale_to_float(s: torch.Tensor) -> torch.Tensor:
     )
 
 
+QUANTIZATION_FORMATS = {"fp8": ("fp8",), "mxfp4": ("mxfp4",), "none": ()}
+
+
+def formats_to_keep(mode: str, config: Mapping) -> frozenset[str]:
+    """The checkpoint formats `--quantization mode` keeps quantized in memory: `auto` those
+    the config declares (`quantization_config.quant_method` fp8 or mxfp4, and DeepSeek-V4's
+    `expert_dtype: fp4` for MXFP4 routed experts), `fp8` / `mxfp4` that one, `none` nothing
+    (every quantized tensor is dequantized on load)."""
+    if mode == "auto":
+        method = (config.get("quantization_config") or {}).get("quant_method")
+        declared = {method} & {"fp8", "mxfp4"}
+        if config.get("expert_dtype") == "fp4":
+            declared.add("mxfp4")
+        return frozenset(declared)
+    if mode not in QUANTIZATION_FORMATS:
+        choices = ", ".join(["auto", *QUANTIZATION_FORMATS])
+        raise ValueError(f"--quantization {mode!r} is not supported; use one of {choices}")
+    return frozenset(QUANTIZATION_FORMATS[mode])
+
+
 def block_size_from_config(config: Mapping) -> tuple[int, int]:
     """`quantization_config.weight_block_size` of a model config dict, else (128, 128)."""
     block = (config.get("quantization_config") or {}).get("weight_block_size")

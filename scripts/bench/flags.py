@@ -49,6 +49,11 @@ def add_model_args(parser: argparse.ArgumentParser, steps_sweep: bool = True) ->
         default=ENGINE_DEFAULTS["device"],
         help="torch device of our engine and the HF baseline (cpu, cuda, cuda:1, ...)",
     )
+    g.add_argument(
+        "--quantization",
+        default=ENGINE_DEFAULTS["quantization"],
+        help="quantized checkpoint weights kept in their format: auto, fp8, mxfp4 or none",
+    )
     g.add_argument("--speculative-algorithm", default=None, help="NEXTN (aliases MTP, EAGLE)")
     g.add_argument(
         "--speculative-num-steps",

@@ -140,6 +140,7 @@ def make_engine(args: argparse.Namespace, variant: Variant, **overrides):
         "model_path": args.model_path,
         "dtype": args.dtype,
         "device": args.device,
+        "quantization": getattr(args, "quantization", "auto"),
         "max_running_requests": args.max_running_requests,
         "random_seed": args.seed,
         **capture_overrides(args),

@@ -36,6 +36,7 @@ from runtime.cache.deepseek_v4_pool import DeepseekV4KVPool
 from runtime.core.forward_context import ForwardContext
 from runtime.distributed import ParallelGroup
 from runtime.kernels.indexer_topk import indexer_topk
+from runtime.kernels.quantized_product import fp8_linear
 from runtime.kernels.row_gather import take_rows
 from runtime.kernels.sink_attention import (
     TileKeys,
@@ -52,6 +53,7 @@ from runtime.layers.linear import (
 from runtime.layers.narrow_weights import batched_product, product_weight
 from runtime.layers.norm import RMSNorm, WeightlessRMSNorm
 from runtime.layers.position_ring import gather_ring
+from runtime.layers.quantized import quantized_format
 from runtime.layers.rotary import RotaryEmbedding
 from runtime.layers.weight_utils import make_param, sharded_param
 
@@ -420,6 +422,12 @@ class DeepseekV4Attention(nn.Module):
     def _grouped_wo_a(self, out: torch.Tensor) -> torch.Tensor:
         """Group g (heads `g*H/G .. (g+1)*H/G - 1`) goes through its own `o_lora_rank` block."""
         grouped = out.reshape(out.shape[0], self.o_groups, -1).transpose(0, 1)
+        quant = quantized_format(self.wo_a, "weight")
+        if quant is not None:  # FP8 codes, one scale row per weight row: grouped alike
+            codes = self.wo_a.weight.view(self.o_groups, self.o_lora_rank, -1)
+            scales = self.wo_a.weight_scale_inv.view(self.o_groups, self.o_lora_rank, -1)
+            y = fp8_linear(grouped.contiguous(), codes, scales, [1, quant[1]])
+            return y.transpose(0, 1).flatten(1)
         w, path = product_weight(self.wo_a, "weight", out.shape[0])
         w = w.view(self.o_groups, self.o_lora_rank, -1)
         return batched_product(grouped, w, path).transpose(0, 1).flatten(1)

@@ -37,6 +37,7 @@ from torch import nn
 from runtime.core.capture import in_capture
 from runtime.distributed import ParallelGroup, all_reduce
 from runtime.kernels.narrow_product import narrow_product
+from runtime.kernels.quantized_product import grouped_quantized
 from runtime.kernels.swiglu import swiglu
 from runtime.layers.narrow_weights import (
     experts_kernel_ready,
@@ -44,9 +45,9 @@ from runtime.layers.narrow_weights import (
     has_tiles,
     weight_for_product,
 )
+from runtime.layers.quantized import quantized_format, scale_name, store_weight
 from runtime.layers.weight_utils import (
     WeightShapeError,
-    copy_checked,
     expect_loads,
     make_param,
     shard_of,
@@ -62,6 +63,10 @@ KERNEL_MAX_PAIRS = 128
 # Where the weights are packed for AMX tiles, the sorted form multiplies on them
 # (`grouped_product`) and overtakes the kernel sooner.
 KERNEL_MAX_PAIRS_BESIDE_TILES = 64
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    return t
 
 
 class FusedMoEExperts(nn.Module):
@@ -109,6 +114,8 @@ class FusedMoEExperts(nn.Module):
             (e, hidden_size, intermediate_size), params_dtype, self.weight_loader
         )
         local_ids = range(self.first_local_expert, self.first_local_expert + e)
+        for name in ("w13_weight", "w2_weight"):
+            getattr(self, name).expert_param_name = name
         expect_loads(self.w13_weight, {(s, i) for s in ("w1", "w3") for i in local_ids})
         expect_loads(self.w2_weight, {("w2", i) for i in local_ids})
 
@@ -120,15 +127,18 @@ class FusedMoEExperts(nn.Module):
         self, param: torch.Tensor, loaded: torch.Tensor, shard_id=None, expert_id: int | None = None
     ) -> None:
         """Load one expert's `w1`/`w3`/`w2` (shard id + expert id), or the whole fused tensor
-        for all experts (`shard_id=None, expert_id=None`, HF `gate_up_proj`/`down_proj`)."""
+        for all experts (`shard_id=None, expert_id=None`, HF `gate_up_proj`/`down_proj`).
+        Windows the loader keeps quantized are stored as codes and scales
+        (`runtime.layers.quantized`)."""
+        name = param.expert_param_name  # set at construction; survives quantization
         if expert_id is None:
             if loaded.shape[0] != self.num_experts:
                 raise WeightShapeError(
                     (self.num_experts, *loaded.shape[1:]), tuple(loaded.shape), "fused experts"
                 )
             mine = loaded.narrow(0, self.first_local_expert, self.num_local_experts)
-            if param is self.w2_weight:
-                self._load_down(param.data, mine, "fused experts")
+            if name == "w2_weight":
+                self._load_down(name, _whole, mine, "fused experts")
             else:
                 full = self.full_intermediate_size
                 if mine.shape[1] != 2 * full:
@@ -138,38 +148,56 @@ class FusedMoEExperts(nn.Module):
                         "fused experts",
                     )
                 i = self.intermediate_size
-                self._load_up(param.data[:, :i], mine.narrow(1, 0, full), 1, "fused gate")
-                self._load_up(param.data[:, i:], mine.narrow(1, full, full), 1, "fused up")
+                gate, up = mine.narrow(1, 0, full), mine.narrow(1, full, full)
+                self._load_up(name, lambda t: t[:, :i], gate, 1, "fused gate")
+                self._load_up(name, lambda t: t[:, i:], up, 1, "fused up")
             return
         local = self.local_expert(expert_id)
         if local is None:
             return
         i = self.intermediate_size
         if shard_id == "w1":
-            self._load_up(param.data[local, :i], loaded, 0, f"expert {expert_id} w1")
+            self._load_up(name, lambda t: t[local, :i], loaded, 0, f"expert {expert_id} w1")
         elif shard_id == "w3":
-            self._load_up(param.data[local, i:], loaded, 0, f"expert {expert_id} w3")
+            self._load_up(name, lambda t: t[local, i:], loaded, 0, f"expert {expert_id} w3")
         elif shard_id == "w2":
-            self._load_down(param.data[local], loaded, f"expert {expert_id} w2")
+            self._load_down(name, lambda t: t[local], loaded, f"expert {expert_id} w2")
         else:
             raise ValueError(f"expert shard id must be w1, w2 or w3, got {shard_id!r}")
 
-    def _load_up(self, dst: torch.Tensor, loaded, dim: int, what: str) -> None:
+    def _load_up(self, name: str, select, loaded, dim: int, what: str) -> None:
         """Gate or up rows: this rank's share of the intermediate width (`dim`)."""
         full = self.full_intermediate_size
-        copy_checked(dst, shard_of(loaded, dim, self.tp.rank, self.tp.size, full, what), what)
+        piece = shard_of(loaded, dim, self.tp.rank, self.tp.size, full, what)
+        store_weight(self, name, piece, select, what)
 
-    def _load_down(self, dst: torch.Tensor, loaded, what: str) -> None:
+    def _load_down(self, name: str, select, loaded, what: str) -> None:
         """Down projection: this rank's share of its input columns (the last dim)."""
         full, dim = self.full_intermediate_size, loaded.dim() - 1
-        copy_checked(dst, shard_of(loaded, dim, self.tp.rank, self.tp.size, full, what), what)
+        piece = shard_of(loaded, dim, self.tp.rank, self.tp.size, full, what)
+        store_weight(self, name, piece, select, what)
+
+    @property
+    def quantized(self) -> bool:
+        """Whether a projection holds checkpoint codes (`--quantization`)."""
+        return any(quantized_format(self, n) for n in ("w13_weight", "w2_weight"))
+
+    def _grouped(self, rows: torch.Tensor, name: str, group_ends: torch.Tensor) -> torch.Tensor:
+        """Sorted rows times their experts' projection `name`, float or quantized."""
+        quant = quantized_format(self, name)
+        if quant is None:
+            return grouped_product(rows, self, name, group_ends)
+        fmt, block_k = quant
+        scales = getattr(self, scale_name(name, fmt))
+        return grouped_quantized(rows, getattr(self, name), scales, group_ends, fmt, block_k)
 
     def forward(
         self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     ) -> torch.Tensor:
         """`x [T, H]`, `topk_weights/ids [T, k]` -> `sum_k w_k * expert_{id_k}(x)`, `[T, H]`."""
-        if not in_capture():
-            piece = self.forward_sorted(x, topk_weights, topk_ids, fixed_shape=False)
+        if not in_capture() or self.quantized:
+            # quantized experts: one grouped operator per projection (opaque in a capture)
+            piece = self.forward_sorted(x, topk_weights, topk_ids, fixed_shape=in_capture())
         elif topk_ids.numel() <= self.kernel_max_pairs() and self.kernel_ready(x):
             piece = self.forward_narrow(x, topk_weights, topk_ids)
         elif x.device.type == "cpu" and topk_ids.numel() >= SORTED_MIN_PAIRS:
@@ -210,10 +238,10 @@ class FusedMoEExperts(nn.Module):
         group_ends = torch.cumsum(counts.scatter_add_(0, local, torch.ones_like(local)), 0)
         group_ends = group_ends.to(torch.int32)
         rows = token_of[order]
-        gate_up = grouped_product(x.index_select(0, rows), self, "w13_weight", group_ends)
+        gate_up = self._grouped(x.index_select(0, rows), "w13_weight", group_ends)
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         hidden = swiglu(gate, up, self.swiglu_limit)
-        down = grouped_product(hidden, self, "w2_weight", group_ends)
+        down = self._grouped(hidden, "w2_weight", group_ends)
         down = down * weights[order].unsqueeze(-1).to(down.dtype)
         return torch.zeros_like(x).index_add_(0, rows, down)
 
