@@ -109,7 +109,7 @@ class Engine:
             capture=self._capture_config(config),
             max_pass_rows=config.chunked_prefill_size,
         )
-        runners = [self.runner] + ([self.worker.drafter.runner] if self.spec_config else [])
+        runners = self._runners()
         self.rank_memory: list[RankMemory] = (
             leader.gather_memory(runners) if leader is not None else [memory_report(0, runners)]
         )
@@ -153,6 +153,11 @@ class Engine:
             self.prefix_cache.describe(),
         )
 
+    def _runners(self) -> list:
+        """The model runners: the target's, then the MTP draft's when speculating."""
+        speculation = self.worker.speculation
+        return [self.runner] + ([] if speculation is None else [speculation.drafter.runner])
+
     @staticmethod
     def _capture_config(config: EngineConfig) -> CaptureConfig:
         """The capture settings, with the reason logged when steps run eagerly (a warning
@@ -170,8 +175,9 @@ class Engine:
         one), or no sharing with `disable_radix_cache`."""
         if self.config.disable_radix_cache:
             return PrefixCache(self.slot_table)
-        runners = [self.runner] + ([self.worker.drafter.runner] if self.spec_config else [])
-        reach = self.worker.drafter.runner.model.kv_reach if self.spec_config else None
+        runners = self._runners()
+        speculation = self.worker.speculation
+        reach = None if speculation is None else speculation.drafter.runner.model.kv_reach
         return RadixPrefixCache(
             self.slot_table,
             runners,
@@ -202,7 +208,8 @@ class Engine:
 
     @property
     def avg_spec_accept_length(self) -> float | None:
-        return self.worker.stats.avg_accept_length if self.spec_config else None
+        speculation = self.worker.speculation
+        return None if speculation is None else speculation.stats.avg_accept_length
 
     @property
     def bos_token_id(self) -> int:
@@ -489,12 +496,12 @@ class Engine:
     def stats(self) -> EngineStats:
         """Load and speculative counters right now. Call on the engine's thread; other
         threads read `AsyncEngine.stats`, the snapshot it publishes after every step."""
-        spec_stats = self.worker.stats if self.spec_config else None
+        speculation = self.worker.speculation
         return engine_stats(
             self.scheduler,
             self.slot_table,
-            spec_stats,
+            None if speculation is None else speculation.stats,
             self.num_finished_reqs,
             self.prefix_cache.stats(),
-            getattr(self.worker, "policy", None),
+            None if speculation is None else speculation.policy,
         )
