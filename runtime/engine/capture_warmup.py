@@ -62,11 +62,11 @@ def warm_up(engine, num_tokens: int = 8, sampled: bool = True) -> None:
     its plain decode step compiles only at the buckets a batch meets (`compile_buckets`),
     not at its own batch size. The prefix cache forgets them all, and a measured policy
     the warm-up's timings."""
-    bos = engine.bos_token_id
+    bos = engine.requests.bos_token_id
     width = engine.spec_config.num_draft_tokens if engine.spec_config else 1
     prompt = [bos if bos is not None else 0] + list(range(3, 3 + 2 * width))
     params = {"max_new_tokens": max(num_tokens, 3 * width), "temperature": 0}
-    engine.generate(input_ids=prompt, sampling_params=params)
+    engine.run_to_completion(engine.requests.make_requests(prompt, params))
     speculation = engine.worker.speculation
     if speculation is None:
         engine.flush_cache()
@@ -74,14 +74,14 @@ def warm_up(engine, num_tokens: int = 8, sampled: bool = True) -> None:
     fused = speculation.captured_round
     if sampled and fused.enabled():
         seeded = {**params, "temperature": 1.0, "sampling_seed": 0}
-        engine.generate(input_ids=prompt, sampling_params=seeded)
+        engine.run_to_completion(engine.requests.make_requests(prompt, seeded))
     policy = speculation.policy
     if policy.plain_from() is not None:
         graph_runners = [r.graph_runner for r in captured_runners(engine)]
         try:
             speculation.policy = FixedLimit(1)
             with no_new_compiles(graph_runners):
-                engine.generate(input_ids=prompt, sampling_params=params)
+                engine.run_to_completion(engine.requests.make_requests(prompt, params))
         finally:
             speculation.policy = policy
     policy.reset()  # the warm-up's steps timed its compiles, not the captured steps

@@ -60,7 +60,8 @@ def calibrate_speculation(engine, buckets, steps: int = 6) -> dict[int, dict[str
                 params = {"max_new_tokens": tokens, "temperature": 0, "ignore_eos": True}
                 timer = StepTimer(policy.bucket_of, speculate)
                 speculation.policy = timer
-                engine.generate(input_ids=prompts, sampling_params=params)
+                reqs = [r for p in prompts for r in engine.requests.make_requests(p, params)]
+                engine.run_to_completion(reqs)
                 timers.append(timer)
     finally:
         speculation.policy, speculation.stats = policy, stats
