@@ -97,8 +97,10 @@ class Engine(EngineCore):
     def grammar_backend(self):
         return self.requests.grammar_backend()
 
-    def make_request(self, input_ids, sampling_params=None, **options) -> Req:
-        return self.requests.make_request(input_ids, sampling_params, **options)
+    def make_request(self, *args, **kwargs) -> Req:
+        """`RequestFactory.make_request`: one validated request, not queued yet."""
+        return self.requests.make_request(*args, **kwargs)
 
-    def make_requests(self, input_ids, sampling_params=None, **options) -> list[Req]:
-        return self.requests.make_requests(input_ids, sampling_params, **options)
+    def make_requests(self, *args, **kwargs) -> list[Req]:
+        """`RequestFactory.make_requests`: the `n` requests of one prompt."""
+        return self.requests.make_requests(*args, **kwargs)
