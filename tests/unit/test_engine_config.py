@@ -189,3 +189,15 @@ def test_benchmark_flags_are_the_engines_own():
     resolved = EngineConfig(speculative_algorithm="NEXTN").resolve()
     assert f"default {resolved.speculative_num_steps})" in actions["speculative_num_steps"].help
     assert actions["speculative_eagle_topk"].help.startswith(str(resolved.speculative_eagle_topk))
+
+
+def test_docs_quote_the_speculative_default():
+    """The one prose restatement of the default steps (docs/architecture.md) matches it."""
+    import re
+    from pathlib import Path
+
+    from runtime.configs.speculative import DEFAULT_NUM_STEPS
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "architecture.md").read_text()
+    quoted = re.findall(r"`--speculative-num-steps`, default (\d+)", text)
+    assert quoted == [str(DEFAULT_NUM_STEPS)]
