@@ -69,8 +69,8 @@ def graceful_server(app, args: ServerArgs):
 
 def describe_speculation_limit(spec, engine) -> str:
     """Where the start-up line says decode steps run without speculation."""
-    policy = getattr(engine.worker, "policy", None)
-    if policy is not None and policy.measured:
+    speculation = engine.worker.speculation
+    if speculation is not None and speculation.policy.measured:
         return ", speculating in each captured batch bucket while its rounds measure faster"
     if spec.disable_by_batch_size is not None:
         return f", off in decode batches of {spec.disable_by_batch_size}+ requests"

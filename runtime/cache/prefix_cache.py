@@ -180,7 +180,8 @@ class RadixPrefixCache(PrefixCache):
         next_token_keys: bool = False,
     ):
         """`runners`: the target's and the draft's (their pools must have allocated
-        `snapshot_slots` snapshots); every change to their caches goes through `pool_call`.
+        `snapshot_slots` snapshots); every change to their caches is a `PoolCommand` they
+        `apply`.
         `owed_capacity`: the most rows an MTP draft may owe a snapshot (`StateSnapshots`).
         `next_token_keys`: an MTP draft keeps rows in shared pages (it reads every row), and
         its row at `p` was computed with the token at `p + 1`, so the tree keys position `p`

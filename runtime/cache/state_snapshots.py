@@ -13,8 +13,8 @@ Mamba states at tree nodes.
   request's (`request_state`) and holds the snapshot slots of its own buffers, so on every
   rank of a tensor-parallel replica each pool copies its own shard.
 * `StateSnapshots` is the prefix cache's side: which snapshot slots are free, and the copies
-  as calls on every runner's pool (`pool_call`, which rank 0 of a replica replays on the
-  other ranks, like every cache change outside a forward). It also keeps, per slot, the
+  as `PoolCommand`s applied through every runner (`apply`, which rank 0 of a replica sends
+  to the other ranks, like every cache change outside a forward). It also keeps, per slot, the
   target rows an MTP draft still owes that state (`OwedDraftRows`, rank 0's: the worker
   that skipped the draft lives there) in one buffer of `capacity` rows a slot, allocated
   at the first snapshot that owes any: a copy of its own per snapshot (512 KiB for the
@@ -31,6 +31,7 @@ from collections.abc import Sequence
 
 import torch
 
+from runtime.core.pool_commands import CopyPages, RestoreSnapshot, SaveSnapshot
 from runtime.core.request import OwedDraftRows
 
 logger = logging.getLogger(__name__)
@@ -73,7 +74,7 @@ class RequestStateSnapshots:
 
 class StateSnapshots:
     """Snapshot slots and the copies in and out of them, on the pools of `runners` (objects
-    with `kv_pool` and `pool_call(method, *args)`: the target's and the draft's runner)."""
+    with `kv_pool` and `apply(command)`: the target's and the draft's runner)."""
 
     def __init__(self, runners: Sequence, num_slots: int, owed_capacity: int | None = None):
         """`owed_capacity`: the most rows a draft may owe a state (its `kv_reach`: it keeps
@@ -104,16 +105,16 @@ class StateSnapshots:
 
     def save(self, req_pool_idx: int, slot: int, verify_row: int | None = None) -> None:
         for runner in self.runners:
-            runner.pool_call("save_snapshot", req_pool_idx, slot, verify_row)
+            runner.apply(SaveSnapshot(req_pool_idx, slot, verify_row))
 
     def restore(self, slot: int, req_pool_idx: int) -> None:
         for runner in self.runners:
-            runner.pool_call("restore_snapshot", slot, req_pool_idx)
+            runner.apply(RestoreSnapshot(slot, req_pool_idx))
 
     def copy_pages(self, src_pages: list[int], dst_pages: list[int]) -> None:
         if src_pages:
             for runner in self.runners:
-                runner.pool_call("copy_pages", list(src_pages), list(dst_pages))
+                runner.apply(CopyPages(tuple(src_pages), tuple(dst_pages)))
 
     def keep_owed(self, slot: int, owed: OwedDraftRows) -> OwedDraftRows:
         """`owed` as snapshot `slot` keeps it: its rows copied into the slot's rows of the

@@ -23,7 +23,11 @@ from pathlib import Path
 from runtime.configs.capture import CAPTURE_COMPILE_MODES, DISABLE_ENV, CaptureConfig
 from runtime.configs.model_config import QUANTIZATION_CHOICES, SUPPORTED_DTYPES, resolve_dtype
 from runtime.configs.parallel import ParallelLayout, parse_address
-from runtime.configs.speculative import SpeculativeConfig
+from runtime.configs.speculative import (
+    DEFAULT_EAGLE_TOPK,
+    DEFAULT_NUM_STEPS,
+    SpeculativeConfig,
+)
 
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "assets" / "deepseek_v4_tiny"
 # SGLang's defaults when memory does not decide: 64 request slots, 48 with EAGLE/NEXTN.
@@ -118,8 +122,10 @@ class EngineConfig:
     )
     skip_tokenizer_init: bool = setting(False, "load no tokenizer: clients send input_ids")
     speculative_algorithm: str | None = setting(None, "NEXTN (aliases MTP, EAGLE)")
-    speculative_num_steps: int | None = setting(None, "draft steps per round (default 3)")
-    speculative_eagle_topk: int | None = setting(None, "1 (chain drafting)")
+    speculative_num_steps: int | None = setting(
+        None, f"draft steps per round (default {DEFAULT_NUM_STEPS})"
+    )
+    speculative_eagle_topk: int | None = setting(None, f"{DEFAULT_EAGLE_TOPK} (chain drafting)")
     speculative_num_draft_tokens: int | None = setting(None, "verify width (steps + 1)")
     speculative_disable_by_batch_size: str | int | None = setting(
         "auto",
@@ -349,20 +355,29 @@ class EngineConfig:
     ) -> None:
         """Add `--flag` per field (all, or those in `names`), defaults from the dataclass."""
         wanted = None if names is None else set(names)
-        hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
-            if wanted is not None and f.name not in wanted:
-                continue
-            flags = ["--" + f.name.replace("_", "-"), *f.metadata.get("aliases", ())]
-            kind = [t for t in typing.get_args(hints[f.name]) if t is not type(None)]
-            kind = kind[0] if kind else hints[f.name]
-            options = dict(dest=f.name, default=f.default, help=_help_text(f))
-            if typing.get_origin(kind) is list:
-                parser.add_argument(*flags, nargs="+", type=typing.get_args(kind)[0], **options)
-            elif kind is bool:
-                parser.add_argument(*flags, action="store_true", **options)
-            else:
-                parser.add_argument(*flags, type=kind, **options)
+            if wanted is None or f.name in wanted:
+                flags, options = cls.cli_argument(f.name)
+                parser.add_argument(*flags, **options)
+
+    @classmethod
+    def cli_argument(cls, name: str) -> tuple[list[str], dict]:
+        """The flag of field `name` as `parser.add_argument(*flags, **options)` takes it:
+        its names, type, default and help, all from the field (a tool that adapts a flag,
+        e.g. to sweep several values, starts from this instead of restating it)."""
+        f = next(f for f in dataclasses.fields(cls) if f.name == name)
+        hints = typing.get_type_hints(cls)
+        flags = ["--" + f.name.replace("_", "-"), *f.metadata.get("aliases", ())]
+        kind = [t for t in typing.get_args(hints[f.name]) if t is not type(None)]
+        kind = kind[0] if kind else hints[f.name]
+        options = dict(dest=f.name, default=f.default, help=_help_text(f))
+        if typing.get_origin(kind) is list:
+            options.update(nargs="+", type=typing.get_args(kind)[0])
+        elif kind is bool:
+            options.update(action="store_true")
+        else:
+            options.update(type=kind)
+        return flags, options
 
     @classmethod
     def from_cli_args(cls, namespace: argparse.Namespace, **overrides):

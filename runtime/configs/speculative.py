@@ -12,6 +12,10 @@ from runtime.configs.token_map import AUTO, NONE, load_token_map, resolve_token_
 logger = logging.getLogger(__name__)
 
 ALGORITHM_ALIASES = {"NEXTN": "NEXTN", "MTP": "NEXTN", "EAGLE": "NEXTN"}
+# the defaults of `--speculative-num-steps` and `--speculative-eagle-topk`, written only
+# here: the flags' help (`EngineConfig`, the benchmarks' flags) quotes them
+DEFAULT_NUM_STEPS = 3
+DEFAULT_EAGLE_TOPK = 1  # chain drafting, the only kind implemented
 
 
 @dataclass(frozen=True)
@@ -59,10 +63,10 @@ class SpeculativeConfig:
                 f"unknown --speculative-algorithm '{algorithm}'; supported: NEXTN "
                 "(aliases MTP, EAGLE)"
             )
-        steps = 3 if num_steps is None else int(num_steps)
+        steps = DEFAULT_NUM_STEPS if num_steps is None else int(num_steps)
         if steps < 1:
             raise ValueError(f"--speculative-num-steps must be >= 1, got {steps}")
-        topk = 1 if eagle_topk is None else int(eagle_topk)
+        topk = DEFAULT_EAGLE_TOPK if eagle_topk is None else int(eagle_topk)
         if topk != 1:
             raise ValueError(
                 f"--speculative-eagle-topk {topk} is not supported: only chain drafting "

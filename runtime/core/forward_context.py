@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from runtime.core.forward_mode import CaptureHiddenMode, ForwardMode
+from runtime.core.kv_pool import KVPool
 
 
 @dataclass
@@ -35,7 +36,7 @@ class ForwardContext:
     extend_start_loc: torch.Tensor  # [bs] first input row of each request
     out_cache_loc: torch.Tensor  # [T] full-history token slot of every input row
     req_to_token: torch.Tensor  # [max_reqs, max_context] token slots (shared table)
-    kv_pool: Any  # the model's cache pool (typed accessors per attention kind)
+    kv_pool: KVPool  # the model's cache pool (a family's layers narrow it to its type)
     capture_hidden_mode: CaptureHiddenMode = CaptureHiddenMode.NULL
     logits_row_indices: torch.Tensor | None = None  # [R] rows to compute logits for; None = all
     attn_metadata: Any = None  # the pool's per-forward addressing, prepared before the forward
@@ -65,7 +66,7 @@ class ForwardContext:
         extend_lens: Sequence[int],
         out_cache_loc: torch.Tensor | None,
         req_to_token: torch.Tensor,
-        kv_pool: Any,
+        kv_pool: KVPool,
         capture_hidden_mode: CaptureHiddenMode = CaptureHiddenMode.NULL,
         logits_row_indices: torch.Tensor | Sequence[int] | None = None,
     ) -> ForwardContext:
@@ -126,7 +127,7 @@ class ForwardContext:
         req_pool_indices: torch.Tensor,
         positions: torch.Tensor,
         req_to_token: torch.Tensor,
-        kv_pool: Any,
+        kv_pool: KVPool,
         capture_hidden_mode: CaptureHiddenMode = CaptureHiddenMode.NULL,
     ) -> ForwardContext:
         """One decode row per request at `positions [bs]`, from tensors alone: a captured

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""`AsyncEngine`: one background thread owns the `Engine` and runs its step loop; asyncio
+"""`AsyncEngine`: one background thread owns the `EngineCore` and runs its step loop; asyncio
 callers submit requests and iterate their snapshots.
 
 Only the loop thread touches the engine. Requests, aborts and calls reach it through an
@@ -32,7 +32,7 @@ from runtime.core.errors import DuplicateRequestError
 from runtime.core.request import Req
 from runtime.core.result import RequestResult
 from runtime.core.stats import EngineInfo, EngineStats
-from runtime.engine.engine import Engine
+from runtime.engine.engine_core import EngineCore
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ class _Subscription:
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine, on_step: StepObserver | None = None):
+    def __init__(self, engine: EngineCore, on_step: StepObserver | None = None):
         self.engine, self.on_step = engine, on_step
         self.info: EngineInfo = engine.info
         self._stats: EngineStats = engine.stats()

@@ -27,14 +27,10 @@ logger = logging.getLogger(__name__)
 def captured_runners(engine) -> list:
     """The engine's model runners that replay captured steps (target, then the MTP draft)."""
     runners = [engine.runner]
-    drafter = getattr(engine.worker, "drafter", None)
-    if drafter is not None:
-        runners.append(drafter.runner)
-    return [
-        r
-        for r in runners
-        if getattr(r, "graph_runner", None) is not None and r.graph_runner.capturable
-    ]
+    speculation = engine.worker.speculation
+    if speculation is not None:
+        runners.append(speculation.drafter.runner)
+    return [r for r in runners if r.graph_runner is not None and r.graph_runner.capturable]
 
 
 def captured_buckets(engine, max_batch: int | None = None) -> list[int]:
@@ -66,27 +62,29 @@ def warm_up(engine, num_tokens: int = 8, sampled: bool = True) -> None:
     its plain decode step compiles only at the buckets a batch meets (`compile_buckets`),
     not at its own batch size. The prefix cache forgets them all, and a measured policy
     the warm-up's timings."""
-    bos = engine.bos_token_id
+    bos = engine.requests.bos_token_id
     width = engine.spec_config.num_draft_tokens if engine.spec_config else 1
     prompt = [bos if bos is not None else 0] + list(range(3, 3 + 2 * width))
     params = {"max_new_tokens": max(num_tokens, 3 * width), "temperature": 0}
-    engine.generate(input_ids=prompt, sampling_params=params)
-    worker = engine.worker
-    fused = getattr(worker, "captured_round", None)
-    if sampled and fused is not None and fused.enabled():
+    engine.run_to_completion(engine.requests.make_requests(prompt, params))
+    speculation = engine.worker.speculation
+    if speculation is None:
+        engine.flush_cache()
+        return
+    fused = speculation.captured_round
+    if sampled and fused.enabled():
         seeded = {**params, "temperature": 1.0, "sampling_seed": 0}
-        engine.generate(input_ids=prompt, sampling_params=seeded)
-    policy = getattr(worker, "policy", None)
-    if policy is not None and policy.plain_from() is not None:
+        engine.run_to_completion(engine.requests.make_requests(prompt, seeded))
+    policy = speculation.policy
+    if policy.plain_from() is not None:
         graph_runners = [r.graph_runner for r in captured_runners(engine)]
         try:
-            worker.policy = FixedLimit(1)
+            speculation.policy = FixedLimit(1)
             with no_new_compiles(graph_runners):
-                engine.generate(input_ids=prompt, sampling_params=params)
+                engine.run_to_completion(engine.requests.make_requests(prompt, params))
         finally:
-            worker.policy = policy
-    if policy is not None:
-        policy.reset()  # the warm-up's steps timed its compiles, not the captured steps
+            speculation.policy = policy
+    policy.reset()  # the warm-up's steps timed its compiles, not the captured steps
     engine.flush_cache()
 
 
@@ -95,7 +93,8 @@ def reachable_steps(engine, runner) -> Callable[[StepKey], bool] | None:
     speculation off from `limit` requests on, verify rounds and the draft's steps run only
     in batches below `limit`, and the target's plain decode step only in batches of `limit`
     and more."""
-    policy = getattr(engine.worker, "policy", None)
+    speculation = engine.worker.speculation
+    policy = None if speculation is None else speculation.policy
     limit = None if policy is None or policy.measured else policy.plain_from()
     if limit is None:  # a measured policy may run either mode at any bucket
         return None

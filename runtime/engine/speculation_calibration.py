@@ -42,14 +42,14 @@ def calibrate_speculation(engine, buckets, steps: int = 6) -> dict[int, dict[str
     with as many greedy requests as the bucket holds (at most `max_running_requests`), and
     hand the timings to the engine's measured speculation policy. Returns each calibrated
     bucket's median round and plain step in ms ({} where the policy is not measured)."""
-    worker = engine.worker
-    policy = getattr(worker, "policy", None)
+    speculation = engine.worker.speculation
+    policy = None if speculation is None else speculation.policy
     if not isinstance(policy, MeasuredSpeculation):
         return {}
     start = time.perf_counter()
     width = engine.spec_config.num_steps + 1
-    stats, timers = worker.stats, []
-    worker.stats = copy.deepcopy(stats)
+    stats, timers = speculation.stats, []
+    speculation.stats = copy.deepcopy(stats)
     try:
         for bucket in sorted(buckets):
             count = min(bucket, engine.config.max_running_requests)
@@ -59,11 +59,12 @@ def calibrate_speculation(engine, buckets, steps: int = 6) -> dict[int, dict[str
                 tokens = (steps + 2) * (width if speculate else 1)
                 params = {"max_new_tokens": tokens, "temperature": 0, "ignore_eos": True}
                 timer = StepTimer(policy.bucket_of, speculate)
-                worker.policy = timer
-                engine.generate(input_ids=prompts, sampling_params=params)
+                speculation.policy = timer
+                reqs = [r for p in prompts for r in engine.requests.make_requests(p, params)]
+                engine.run_to_completion(reqs)
                 timers.append(timer)
     finally:
-        worker.policy, worker.stats = policy, stats
+        speculation.policy, speculation.stats = policy, stats
     measured: dict[int, dict[str, list[float]]] = {}
     for timer in timers:
         for bucket, seconds in timer.seconds.items():

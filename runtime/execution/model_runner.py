@@ -24,7 +24,9 @@ from runtime.configs.capture import CaptureConfig
 from runtime.configs.model_config import ModelConfig
 from runtime.core.forward_context import ForwardContext
 from runtime.core.forward_mode import ForwardMode
+from runtime.core.kv_pool import KVPool
 from runtime.core.model_output import LogitsProcessorOutput
+from runtime.core.pool_commands import CommitVerified, PoolCommand
 from runtime.execution.graph_runner import GraphRunner
 from runtime.execution.model_input import DEFAULT_ROWS, DRAFT, TARGET, HiddenRows, ModelInput
 from runtime.kernels import cpu_extension
@@ -65,7 +67,7 @@ class ModelRunner:
             device=device,
             max_context=slot_table.req_pool.max_context_len,
         )
-        self.kv_pool = self.model.create_cache_pool(model_config.hf_config, geometry)
+        self.kv_pool: KVPool = self.model.create_cache_pool(model_config.hf_config, geometry)
         logger.info("%s", self.kv_pool.describe())
         self.graph_runner = None
         if capture is not None and capture.enabled:
@@ -165,12 +167,13 @@ class ModelRunner:
     def commit_verified(self, req_pool_indices: torch.Tensor, num_accepted: torch.Tensor) -> None:
         """Keep the caches' state after each request's accepted rows (recurrent states); the
         same on every rank of a replica."""
-        self.pool_call("commit_verified", req_pool_indices, num_accepted)
+        self.apply(CommitVerified(req_pool_indices, num_accepted))
 
-    def pool_call(self, method: str, *args, local: bool = False):
-        """`kv_pool.<method>(*args)` here and, on rank 0 of a replica, on every other rank:
-        any change to the caches outside a forward goes through this (args travel pickled,
-        tensors via the CPU). `local=True` runs it on this rank only (a replayed call)."""
+    def apply(self, command: PoolCommand, local: bool = False) -> None:
+        """Run `command` on this runner's pool here and, on rank 0 of a replica, on every
+        other rank: any change to the caches outside a forward goes through this (the
+        command travels pickled, tensors via the CPU). `local=True` runs it on this rank
+        only (a replayed command)."""
         if self.broadcaster is not None and not local:
-            self.broadcaster.pool_call(self.role, method, args)
-        return getattr(self.kv_pool, method)(*args)
+            self.broadcaster.pool_command(self.role, command)
+        command.apply(self.kv_pool)

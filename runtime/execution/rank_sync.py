@@ -9,7 +9,8 @@ last message (vLLM V1 sends new block ids per step the same way). Captured hidde
 travel as a reference (`HiddenRows`: rows of the latest target or draft output, which every
 rank holds already); only an input without one ships the tensor. Cache-pool operations
 outside a forward (the commit after a verify round, with the accepted lengths decided on
-rank 0) go out as `PoolCallMessage`s, so every rank's caches change the same way. The other
+rank 0, the prefix cache's snapshot and page copies) go out as `PoolCommandMessage`s
+carrying a typed `PoolCommand`, so every rank's caches change the same way. The other
 ranks run a `FollowerLoop` that replays the messages on their own runners (their shard of
 every layer) until `StopMessage`.
 """
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from runtime.core.pool_commands import PoolCommand
 from runtime.execution.model_runner import ModelInput, ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -47,12 +49,11 @@ class ForwardMessage:
 
 
 @dataclass
-class PoolCallMessage:
-    """`runner.kv_pool.<method>(*args)` on the runner with `role` (CPU tensors in `args`)."""
+class PoolCommandMessage:
+    """`command` applied to the pool of the runner with `role` (its tensors on the CPU)."""
 
     role: str
-    method: str
-    args: tuple
+    command: PoolCommand
 
 
 @dataclass
@@ -120,9 +121,9 @@ class BatchBroadcaster:
         yield
         self.in_flight = False
 
-    def pool_call(self, role: str, method: str, args: tuple) -> None:
+    def pool_command(self, role: str, command: PoolCommand) -> None:
         self.in_flight = True  # a failed send leaves the ranks out of step too
-        self.channel.send(PoolCallMessage(role, method, tuple(_cpu(a) for a in args)))
+        self.channel.send(PoolCommandMessage(role, command.on_host()))
         self.in_flight = False
 
     def stop(self, reason: str = "shutdown") -> None:
@@ -152,8 +153,8 @@ class FollowerLoop:
                 return message.reason
             if isinstance(message, ForwardMessage):
                 self._forward(message)
-            elif isinstance(message, PoolCallMessage):
-                self.runners[message.role].pool_call(message.method, *message.args, local=True)
+            elif isinstance(message, PoolCommandMessage):
+                self.runners[message.role].apply(message.command, local=True)
             else:
                 raise TypeError(f"unexpected control message {type(message).__name__}")
 

@@ -154,7 +154,10 @@ def sample_rows(
 
 
 class PlainWorker:
+    """A `Worker` (`runtime.core.worker`) without speculation."""
+
     supports_mixed = True
+    speculation = None  # no draft: see `NextNWorker.speculation`
 
     def __init__(
         self, target: ModelRunner, eos_ids: set[int], generator: torch.Generator | None = None

@@ -37,6 +37,7 @@ from runtime.cache.prefix_cache import Admission, PrefixCache
 from runtime.cache.slot_table import SlotTable
 from runtime.core.request import FinishReason, Req
 from runtime.core.step_io import Chunk, TokenOutput, chunk_budget
+from runtime.core.worker import Worker
 from runtime.scheduler.fault_isolation import FaultIsolation, SuspectGroup
 
 logger = logging.getLogger(__name__)
@@ -45,7 +46,7 @@ logger = logging.getLogger(__name__)
 class Scheduler:
     def __init__(
         self,
-        worker,
+        worker: Worker,
         slot_table: SlotTable,
         eos_ids: set[int],
         max_running_requests: int,
@@ -60,7 +61,8 @@ class Scheduler:
         self.step_failure_is_fatal = step_failure_is_fatal
         self.prefix_cache = prefix_cache or PrefixCache(slot_table)
         # a speculative worker decodes a request only once it has drafts for it
-        self._needs_drafts = bool(getattr(worker, "needs_drafts", False))
+        speculation = worker.speculation
+        self._needs_drafts = speculation is not None and speculation.needs_drafts
         self.eos_ids = eos_ids
         self.max_running_requests = max_running_requests
         self.chunk_budget = chunk_budget(chunked_prefill_size)

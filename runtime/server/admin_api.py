@@ -34,8 +34,8 @@ async def health_generate(state: State):
     """Healthy when one token can be generated end to end (SGLang's deeper health check)."""
     if not state.engine.alive:
         return Response(status_code=503)
-    req = state.core.make_request(
-        [state.core.bos_token_id],
+    req = state.requests.make_request(
+        [state.requests.bos_token_id],
         {"max_new_tokens": 1, "temperature": 0},
         rid=f"health-{uuid.uuid4().hex}",
     )
@@ -57,7 +57,7 @@ async def server_info(state: State):
         info[key] = state.public_path(info.get(key))
     return {
         **info,
-        "vocab_size": state.core.model_config.vocab_size,
+        "vocab_size": state.requests.model_config.vocab_size,
         "internal_states": [state.engine.stats.to_json()],
         "version": package_version(),
     }
@@ -72,7 +72,7 @@ async def model_info(state: State):
         "tokenizer_path": state.public_path(tokenizer_path),
         "is_generation": True,
         "served_model_name": state.model_name,
-        "architectures": list(state.core.model_config.architectures),
+        "architectures": list(state.requests.model_config.architectures),
     }
 
 

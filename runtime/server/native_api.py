@@ -14,7 +14,7 @@ from starlette.concurrency import run_in_threadpool
 from runtime.core.errors import InvalidRequestError
 from runtime.core.request import Req
 from runtime.core.result import RequestResult
-from runtime.engine.engine import Engine
+from runtime.engine.request_factory import RequestFactory
 from runtime.engine.sglang_output import render_generate
 from runtime.server.generate_fields import check_fields
 from runtime.server.rendering import json_response
@@ -49,7 +49,7 @@ class GenerateCall:
         return [r for group in self.groups for r in group]
 
 
-def _prompts(body: dict, engine: Engine) -> tuple[list, bool]:
+def _prompts(body: dict, engine: RequestFactory) -> tuple[list, bool]:
     """(prompts as token id lists, whether the body is a batch)."""
     text, input_ids = body.get("text"), body.get("input_ids")
     if (text is None) == (input_ids is None):
@@ -86,7 +86,7 @@ def _per_prompt(value, count: int, name: str, kind: type) -> list:
 
 def prompt_rids(rid, count: int) -> list[str | None]:
     """The client's request id of each of `count` prompts (SGLang's `rid`): one id, or
-    one per prompt for a batch; `Engine.make_requests` checks each and names the choices
+    one per prompt for a batch; `RequestFactory.make_requests` checks each and names the choices
     of an `n > 1` prompt `<rid>-<k>`."""
     if isinstance(rid, str) and count > 1:
         raise InvalidRequestError(
@@ -103,7 +103,7 @@ def _token_ids_logprob(value, count: int) -> list:
     return _per_prompt(value, count, "token_ids_logprob", list)
 
 
-def parse_generate(body, engine: Engine) -> GenerateCall:
+def parse_generate(body, engine: RequestFactory) -> GenerateCall:
     """The requests of a `/generate` body (SGLang's `GenerateReqInput`). Builds them, grammar
     compilation included, so call it off the event loop."""
     if not isinstance(body, dict):
@@ -171,14 +171,14 @@ async def _stream(
 async def generate(request: Request, state: State):
     """Parsing and tokenizing run in a worker thread (a long prompt must not stall the
     event loop); a live `rid` is refused with 409."""
-    call = await run_in_threadpool(parse_generate, await json_body(request), state.core)
+    call = await run_in_threadpool(parse_generate, await json_body(request), state.requests)
     reqs = call.requests
     state.engine.submit(reqs)
     if call.stream:
         indexed = call.batched or len(reqs) > 1
-        events = _stream(merged(request, state.engine, reqs), indexed, state.core.token_texts)
+        events = _stream(merged(request, state.engine, reqs), indexed, state.requests.token_texts)
         return StreamingResponse(
             guarded_sse(events, request.url.path), media_type="text/event-stream"
         )
     results = await collect(request, state.engine, reqs)
-    return await json_response(request, response_shape, call, results, state.core.token_texts)
+    return await json_response(request, response_shape, call, results, state.requests.token_texts)

@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from runtime.core.result import RequestResult
-from runtime.engine.engine import Engine
+from runtime.engine.request_factory import RequestFactory
 from runtime.server import openai_render as render
 from runtime.server.openai_protocol import (
     ChatCompletionRequest,
@@ -101,7 +101,7 @@ def _streaming(request: Request, generator: AsyncIterator[str]) -> StreamingResp
     )
 
 
-def _prepare_completion(body: CompletionRequest, engine: Engine):
+def _prepare_completion(body: CompletionRequest, engine: RequestFactory):
     """Requests and echo texts of a completion call: it tokenizes and detokenizes, so it
     runs in a worker thread."""
     reqs = with_openai_names(completion_requests, body, engine)
@@ -143,9 +143,9 @@ async def retrieve_model(model: str, state: State):
 async def completions(request: Request, state: State):
     body = await model_body(request, CompletionRequest)
     log_model_name(body.model, state.model_name)
-    reqs, echo = await run_in_threadpool(_prepare_completion, body, state.core)
+    reqs, echo = await run_in_threadpool(_prepare_completion, body, state.requests)
     state.engine.submit(reqs)
-    tokenizer = state.core.tokenizer
+    tokenizer = state.requests.tokenizer
     wants_logprobs = body.logprobs is not None
     if body.stream:
         fmt = StreamFormat(
@@ -188,13 +188,13 @@ async def chat(request: Request, state: State):
         with_openai_names,
         chat_requests,
         body,
-        state.core,
+        state.requests,
         input_ids="messages",
         text="messages",
         top_logprobs_num="top_logprobs",
     )
     state.engine.submit(reqs)
-    tokenizer = state.core.tokenizer
+    tokenizer = state.requests.tokenizer
     if body.stream:
         fmt = StreamFormat(
             "chat.completion.chunk",

@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from runtime.core.errors import InvalidRequestError
 from runtime.core.request import Req
 from runtime.core.sampling_params import SamplingParams
-from runtime.engine.engine import Engine
+from runtime.engine.request_factory import RequestFactory
 from runtime.server.chat_template import ChatTemplateError, render_chat
 from runtime.server.generate_fields import is_unset
 from runtime.server.native_api import prompt_rids
@@ -389,7 +389,7 @@ def log_model_name(requested: str | None, served: str) -> None:
         logger.info("request names model %r; serving %r", requested, served)
 
 
-def _max_tokens(requested: int | None, prompt_len: int, engine: Engine) -> int | None:
+def _max_tokens(requested: int | None, prompt_len: int, engine: RequestFactory) -> int | None:
     """The client's limit, or (when it sets none) None: whatever the context leaves."""
     if requested is None:
         return None
@@ -402,7 +402,7 @@ def _max_tokens(requested: int | None, prompt_len: int, engine: Engine) -> int |
 # /v1/completions
 
 
-def completion_prompts(body: CompletionRequest, engine: Engine) -> list[list[int]]:
+def completion_prompts(body: CompletionRequest, engine: RequestFactory) -> list[list[int]]:
     prompt = body.prompt
     if isinstance(prompt, str):
         return [engine.tokenize(prompt, "prompt")]
@@ -415,7 +415,9 @@ def completion_prompts(body: CompletionRequest, engine: Engine) -> list[list[int
     return [list(p) for p in prompt]
 
 
-def echo_texts(body: CompletionRequest, prompts: list[list[int]], engine: Engine) -> list[str]:
+def echo_texts(
+    body: CompletionRequest, prompts: list[list[int]], engine: RequestFactory
+) -> list[str]:
     """What `echo` puts before each prompt's choices: the prompt as sent, or for token ids
     their text without special tokens (SGLang's `_prepare_echo_prompts`), so a tokenizer
     that prepends BOS does not show it."""
@@ -428,7 +430,7 @@ def echo_texts(body: CompletionRequest, prompts: list[list[int]], engine: Engine
     return [engine.tokenizer.decode(ids, skip_special_tokens=True) for ids in prompts]
 
 
-def completion_requests(body: CompletionRequest, engine: Engine) -> list[Req]:
+def completion_requests(body: CompletionRequest, engine: RequestFactory) -> list[Req]:
     """One request per (prompt, choice), in OpenAI's choice order (prompt-major). With
     `echo` and `logprobs` the prompt's tokens are scored too, in the prefill the request
     runs anyway (`logprob_start_len = 0`)."""
@@ -475,7 +477,7 @@ def _message_text(message: ChatMessage, index: int) -> str:
     return "".join(parts)
 
 
-def chat_prompt_ids(body: ChatCompletionRequest, engine: Engine) -> list[int]:
+def chat_prompt_ids(body: ChatCompletionRequest, engine: RequestFactory) -> list[int]:
     """The messages through the tokenizer's chat template with the client's checked
     `chat_template_kwargs` (`chat_template.render_chat`), ending with the assistant's turn."""
     tokenizer = engine.tokenizer
@@ -493,7 +495,7 @@ def chat_prompt_ids(body: ChatCompletionRequest, engine: Engine) -> list[int]:
     return engine.tokenize(text, "messages", add_special_tokens=False)
 
 
-def chat_requests(body: ChatCompletionRequest, engine: Engine) -> list[Req]:
+def chat_requests(body: ChatCompletionRequest, engine: RequestFactory) -> list[Req]:
     body.refuse_unsupported()
     if not 0 <= (body.top_logprobs or 0) <= MAX_CHAT_TOP_LOGPROBS:
         raise InvalidRequestError(

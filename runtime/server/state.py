@@ -11,7 +11,7 @@ from typing import Annotated
 from fastapi import Depends, Request
 
 from runtime.engine.async_engine import AsyncEngine
-from runtime.engine.engine import Engine
+from runtime.engine.request_factory import RequestFactory
 from runtime.server.metrics import ServerMetrics
 from runtime.server_args import ServerArgs
 
@@ -24,10 +24,10 @@ class ServerState:
     model_name: str  # --served-model-name, or the model directory's name
 
     @property
-    def core(self) -> Engine:
-        """The engine itself, for what is safe off its thread: validating and building
-        requests (`make_request`, `tokenize`) and its fixed configuration."""
-        return self.engine.engine
+    def requests(self) -> RequestFactory:
+        """The engine's request factory, what the routes may use off the loop thread:
+        tokenizing, validating and building requests, the tokenizer and model config."""
+        return self.engine.engine.requests
 
     def public_path(self, path: str | None) -> str | None:
         """A checkpoint or tokenizer path as responses show it: the served name for the

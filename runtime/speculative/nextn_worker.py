@@ -187,6 +187,12 @@ class NextNWorker:
         self._last_decode: DecodeMark | None = None  # the previous step, if pure decode
         self.captured_round = CapturedRound(target, drafter.runner, spec.num_steps)
 
+    @property
+    def speculation(self) -> NextNWorker:
+        """The `Worker` protocol's speculation facet (`SpeculationFacet`): this worker
+        itself, which holds the drafter, policy, counters and fused round."""
+        return self
+
     def reserve_ahead(self) -> int:
         """Verify writes up to `seq_len - 1 + S`, draft steps up to `seq_len + 2S - 2`."""
         return 2 * self.spec.num_steps

@@ -41,50 +41,21 @@ def add_model_args(parser: argparse.ArgumentParser, steps_sweep: bool = True) ->
         default=None,
         help="checkpoint directory (default: the engine's embedded tiny model)",
     )
-    g.add_argument(
-        "--dtype", default=ENGINE_DEFAULTS["dtype"], help="auto, float32, bfloat16 or float16"
-    )
+    add_engine_flag(g, "dtype")
     g.add_argument(
         "--device",
         default=ENGINE_DEFAULTS["device"],
         help="torch device of our engine and the HF baseline (cpu, cuda, cuda:1, ...)",
     )
-    g.add_argument(
-        "--quantization",
-        default=ENGINE_DEFAULTS["quantization"],
-        help="quantized checkpoint weights kept in their format: auto, fp8, mxfp4 or none",
-    )
-    g.add_argument("--speculative-algorithm", default=None, help="NEXTN (aliases MTP, EAGLE)")
-    g.add_argument(
-        "--speculative-num-steps",
-        type=int,
-        nargs="+" if steps_sweep else None,
-        default=None,
-        help="draft steps per round (default 3)"
-        + ("; several values sweep them, one run each" if steps_sweep else ""),
-    )
-    g.add_argument("--speculative-eagle-topk", type=int, default=None, help="1 (chain drafting)")
-    g.add_argument(
-        "--speculative-num-draft-tokens", type=int, default=None, help="verify width (steps + 1)"
-    )
-    g.add_argument(
-        "--speculative-disable-by-batch-size",
-        default=None,
-        help="NEXTN: decode steps of at least this many requests run without speculation; "
-        "'auto' (the engine's default): each captured bucket speculates while its rounds "
-        "measure faster; 'none': always speculate",
-    )
-    g.add_argument(
-        "--speculative-token-map",
-        nargs="+" if steps_sweep else None,
-        default=None,
-        help="NEXTN: file of the token ids the draft's LM head scores (FR-Spec hot vocabulary)"
-        + (
-            "; several values sweep them, one run each ('none': the whole vocabulary)"
-            if steps_sweep
-            else ""
-        ),
-    )
+    add_engine_flag(g, "quantization")
+    add_engine_flag(g, "speculative_algorithm")
+    sweep = "; several values sweep them, one run each"
+    add_engine_flag(g, "speculative_num_steps", sweep=sweep if steps_sweep else None)
+    add_engine_flag(g, "speculative_eagle_topk")
+    add_engine_flag(g, "speculative_num_draft_tokens")
+    # unset: the engine's own default (`variants` passes the flag only when given)
+    add_engine_flag(g, "speculative_disable_by_batch_size", default=None)
+    add_engine_flag(g, "speculative_token_map", default=None, sweep=sweep if steps_sweep else None)
     g.add_argument(
         "--compare",
         action="store_true",
@@ -118,6 +89,17 @@ def add_model_args(parser: argparse.ArgumentParser, steps_sweep: bool = True) ->
         action="store_true",
         help="no progress bars",
     )
+
+
+def add_engine_flag(group, name: str, *, sweep: str | None = None, **changes) -> argparse.Action:
+    """The engine's own flag for `EngineConfig` field `name` (names, type, default, help:
+    `EngineConfig.cli_argument`), with `changes` to its options; `sweep` (help text) lets it
+    take several values, one run each."""
+    flags, options = EngineConfig.cli_argument(name)
+    options.update(changes)
+    if sweep is not None:
+        options.update(nargs="+", help=(options["help"] or "") + sweep)
+    return group.add_argument(*flags, **options)
 
 
 def add_cache_args(

@@ -69,7 +69,7 @@ def test_qwen4_exp_tp2_nextn_equals_one_rank(tmp_path):
 
 def two_turns(path, **options):
     """Each prompt, then a second turn resending it with its answer: the prefix cache's
-    snapshot restores and page copies run on every rank (`pool_call`)."""
+    snapshot restores and page copies run on every rank (`ModelRunner.apply`)."""
     engine = Engine(
         model_path=str(path),
         dtype="float32",

@@ -492,7 +492,7 @@ def test_an_internal_error_is_a_500_in_the_routes_shape(in_process_app, monkeypa
     def explode(*args, **kwargs):
         raise RuntimeError("unexpected")
 
-    monkeypatch.setattr(engine, "make_requests", explode)
+    monkeypatch.setattr(engine.requests, "make_requests", explode)
     status, body = _asgi(app, "POST", G, json.dumps({"text": "x"}).encode())
     assert status == 500 and body["error"]["code"] == 500
     assert "RuntimeError: unexpected" in body["error"]["message"]

@@ -162,3 +162,42 @@ def test_capture_flags_and_why_steps_run_eagerly(monkeypatch):
 def test_bad_capture_flags_are_refused(overrides, message):
     with pytest.raises(ValueError, match=message):
         EngineConfig(**overrides).resolve()
+
+
+def test_benchmark_flags_are_the_engines_own():
+    """The benchmarks' speculative flags come from `EngineConfig` (names, types, help), so the
+    default they quote is the one `SpeculativeConfig` resolves to."""
+    from scripts.bench import flags
+
+    parser = argparse.ArgumentParser()
+    flags.add_model_args(parser)
+    actions = {a.dest: a for a in parser._actions}
+    for name in (
+        "dtype",
+        "speculative_algorithm",
+        "speculative_num_steps",
+        "speculative_eagle_topk",
+        "speculative_num_draft_tokens",
+        "speculative_disable_by_batch_size",
+        "speculative_token_map",
+    ):
+        names, options = EngineConfig.cli_argument(name)
+        action = actions[name]
+        assert action.option_strings == names and action.type is options.get("type")
+        assert action.help.startswith(options["help"]), name
+    assert flags.ENGINE_DEFAULTS["dtype"] == actions["dtype"].default
+    resolved = EngineConfig(speculative_algorithm="NEXTN").resolve()
+    assert f"default {resolved.speculative_num_steps})" in actions["speculative_num_steps"].help
+    assert actions["speculative_eagle_topk"].help.startswith(str(resolved.speculative_eagle_topk))
+
+
+def test_docs_quote_the_speculative_default():
+    """The one prose restatement of the default steps (docs/architecture.md) matches it."""
+    import re
+    from pathlib import Path
+
+    from runtime.configs.speculative import DEFAULT_NUM_STEPS
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "architecture.md").read_text()
+    quoted = re.findall(r"`--speculative-num-steps`, default (\d+)", text)
+    assert quoted == [str(DEFAULT_NUM_STEPS)]

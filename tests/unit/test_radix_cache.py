@@ -35,8 +35,8 @@ class LocalRunner:
     def __init__(self, pool):
         self.kv_pool = pool
 
-    def pool_call(self, method, *args):
-        return getattr(self.kv_pool, method)(*args)
+    def apply(self, command):
+        command.apply(self.kv_pool)
 
 
 def tree(pages=32, page_size=2, unit=4, slots=4):
