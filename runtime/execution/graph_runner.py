@@ -59,6 +59,7 @@ from runtime.core.model_output import LogitsProcessorOutput
 from runtime.distributed.replica import patient_collectives
 from runtime.execution import step_store
 from runtime.execution.compile_worker import CompileWorker
+from runtime.execution.draft_chain import draft_chain
 from runtime.execution.model_input import ModelInput
 from runtime.execution.step_store import StepStore, fingerprint, outputs_match, precompile
 from runtime.kernels import cpu_extension
@@ -822,7 +823,7 @@ def mark_dynamic_dims(args) -> None:
 
 def draft_round_function(runner: StepRunner, key: StepKey) -> Callable:
     """The body of a captured draft round (`GraphRunner.try_draft_round`): the extend, then
-    the chained steps, each request's next token the argmax of its logits row (what the
+    the chain (`draft_chain`) over the prepared step contexts, greedy (what the
     step-by-step drafter picks without a grammar). Returns (drafts `[bucket, steps]`,
     None)."""
     call_model = runner.call_model
@@ -833,13 +834,12 @@ def draft_round_function(runner: StepRunner, key: StepKey) -> Callable:
 
     def draft_round(contexts, input_ids, hidden, spec_step_idx):
         out = call_model(contexts[0], input_ids, hidden, spec_step_idx)
-        tokens, hidden = out.next_token_logits.argmax(-1), out.hidden_states
-        drafts = [tokens]
-        for ctx, step_idx in zip(contexts[1:], step_indices):
-            out = call_model(ctx, tokens, hidden, step_idx)
-            tokens, hidden = out.next_token_logits.argmax(-1), out.hidden_states
-            drafts.append(tokens)
-        return torch.stack(drafts, dim=1), None
+
+        def step(i, tokens, hidden):
+            return call_model(contexts[i], tokens, hidden, step_indices[i - 1])
+
+        drafts = draft_chain(out.next_token_logits, out.hidden_states, key.draft_steps, step)
+        return drafts, None
 
     return draft_round
 
