@@ -51,9 +51,9 @@ def eager_dynamo(monkeypatch):
     """`torch.compile` traces with dynamo but runs its graphs eagerly (backend "eager"):
     guards, recompiles and compile threads behave as with inductor, in seconds. Steps are
     `torch.compile`d functions, not precompiled ones (only inductor's output can be saved)."""
-    from runtime.execution import graph_runner
+    from runtime.execution import step_compiler
 
-    monkeypatch.setattr(graph_runner, "PRECOMPILE", False)
+    monkeypatch.setattr(step_compiler, "PRECOMPILE", False)
     compile_ = torch.compile
     monkeypatch.setattr(
         torch, "compile", lambda fn, **kw: compile_(fn, backend="eager", dynamic=kw["dynamic"])

@@ -6,6 +6,7 @@ them, which on a CPU costs as much as a draft step).
 
     verify [t, d1..dS] -> greedy acceptance (m, bonus) -> following tokens
     -> draft extend over the S + 1 rows -> pick row m -> S - 1 chained draft steps
+       (`execution/draft_chain.py`, the chain the eager drafter runs)
 
 What the host cannot know before the round, each request's accept count `m`, decides only
 values inside the graph: the draft scores row m of its extend (hidden states of every row
@@ -31,6 +32,7 @@ import torch
 from runtime.core.forward_context import ForwardContext
 from runtime.core.forward_mode import CaptureHiddenMode, ForwardMode
 from runtime.core.request import Req
+from runtime.execution.draft_chain import draft_chain
 from runtime.execution.graph_runner import LOGITS_ALL, StepKey, StepRecipe
 from runtime.execution.model_runner import ModelInput, ModelRunner
 from runtime.execution.penalties import needs_adjustment
@@ -169,18 +171,17 @@ def round_body(target: ModelRunner, draft: ModelRunner, num_steps: int):
         rows = torch.arange(bs, device=num.device) * width + num
         extend_ctx = dataclasses.replace(extend_ctx, logits_row_indices=rows)
         extended = call_draft(extend_ctx, following.flatten(), out.hidden_states, 0)
-        tokens = extended.next_token_logits.argmax(-1)
-        hidden = extended.hidden_states[rows]
-        proposals = [tokens]
         pools = verify_ctx.req_pool_indices
-        for i, step_idx in enumerate(chain_steps, start=1):
+
+        def step(i, tokens, hidden):
             ctx = ForwardContext.decode_rows(
                 pools, first_positions + num + i, req_to_token, draft_pool, CaptureHiddenMode.LAST
             )
             ctx.attn_metadata = draft_pool.prepare_in_step(ctx, extend_ctx.attn_metadata)
-            step = call_draft(ctx, tokens, hidden, step_idx)
-            tokens, hidden = step.next_token_logits.argmax(-1), step.hidden_states
-            proposals.append(tokens)
-        return logits, num, final, torch.stack(proposals, dim=1)
+            return call_draft(ctx, tokens, hidden, chain_steps[i - 1])
+
+        hidden = extended.hidden_states[rows]
+        proposals = draft_chain(extended.next_token_logits, hidden, num_steps, step)
+        return logits, num, final, proposals
 
     return nextn_round

@@ -20,6 +20,7 @@ import torch
 
 from runtime.constrained.bitmask import DraftWalk
 from runtime.core.request import Req
+from runtime.core.step_io import Chunk, TokenOutput
 
 
 @dataclass
@@ -105,3 +106,19 @@ class DraftBatch:
             kept if self.target_rows is None else self.target_rows[kept],
             self.from_latest_target,
         )
+
+
+def following_tokens(chunk: Chunk, output: TokenOutput) -> list[int]:
+    """The token after each row of `chunk`: the next prompt token, or for the last row of a
+    completing chunk the token just sampled."""
+    req = chunk.req
+    return req.all_ids[chunk.start + 1 : chunk.end] + (output.tokens or [req.all_ids[chunk.end]])
+
+
+def chunk_spans(chunks: Sequence[Chunk]) -> list[tuple[int, int]]:
+    """Each chunk's rows `[begin, end)` in the step's `[sum len, D]`."""
+    spans, end = [], 0
+    for c in chunks:
+        spans.append((end, end + c.length))
+        end += c.length
+    return spans

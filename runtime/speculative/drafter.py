@@ -3,11 +3,12 @@
 NEXTN: one draft extend, then single-token steps.
 
 The draft first runs over every row of a `DraftBatch` (filling its own KV), takes the
-prediction at each request's gather row, then chains `num_steps - 1` single-token steps
-on its own output hidden. Where every request proposes and none has a grammar, the whole
-round (extend, argmax, chained steps) runs as one captured graph when the draft's runner
-has one (`ModelRunner.draft_round`, SGLang's EAGLE draft CUDA graph); otherwise, or while
-that graph compiles, step by step. Drafting is greedy whatever the request's sampling parameters
+prediction at each request's gather row, then chains `num_steps - 1` single-token steps on
+its own output hidden (`execution/draft_chain.py`: the one chain every round runs). Where
+every request proposes and none has a grammar, the whole round (extend, argmax, chained
+steps) runs as one captured graph when the draft's runner has one
+(`ModelRunner.draft_round`, SGLang's EAGLE draft CUDA graph); otherwise, or while that
+graph compiles, step by step. Drafting is greedy whatever the request's sampling parameters
 (the acceptance rule keeps sampling exact); a request with a grammar drafts greedily among
 the tokens its grammar allows (`DraftWalk`), so its drafts can be accepted.
 """
@@ -20,6 +21,7 @@ import torch
 
 from runtime.core.forward_mode import CaptureHiddenMode, ForwardMode
 from runtime.core.model_output import LogitsProcessorOutput
+from runtime.execution.draft_chain import draft_chain, greedy_pick
 from runtime.execution.model_runner import TARGET, HiddenRows, ModelInput, ModelRunner
 from runtime.speculative.draft_batch import DraftBatch
 
@@ -46,10 +48,10 @@ class MTPDrafter:
         if not keep:
             return result
         walk = batch.grammar_walk(keep, self.runner.model_config.vocab_size)
-        pick = walk.pick if walk is not None else _argmax
+        pick = walk.pick if walk is not None else greedy_pick
         try:
-            first = pick(out.next_token_logits[keep])  # [k]
-            proposals = self._chain(batch, keep, first, out.hidden_states[keep], pick)  # [k, S]
+            logits, hidden = out.next_token_logits[keep], out.hidden_states[keep]
+            proposals = self._chain(batch, keep, logits, hidden, pick)  # [k, S]
         finally:
             if walk is not None:
                 walk.close()  # the grammars are back at the committed output
@@ -94,38 +96,31 @@ class MTPDrafter:
         self,
         batch: DraftBatch,
         keep: list[int],
-        tokens: torch.Tensor,
-        hidden: torch.Tensor,
+        first_logits: torch.Tensor,
+        first_hidden: torch.Tensor,
         pick: Callable[[torch.Tensor], torch.Tensor],
     ) -> torch.Tensor:
-        """From the first draft token `tokens [k]` and its hidden `[k, D]` of the requests
-        `keep`, `num_steps - 1` single-token steps, each proposal chosen by `pick` from the
-        step's logits. Returns every draft token `[k, S]`."""
+        """The chain (`draft_chain`) of the requests `keep` from the extend's logits `[k, V]`
+        and hidden `[k, D]` at their gather rows, each proposal chosen by `pick`: every
+        draft token `[k, S]`."""
         pools = [batch.reqs[b].req_pool_idx for b in keep]
-        positions = [batch.first_chain_position(b) for b in keep]
-        drafts = [tokens]
+        first = [batch.first_chain_position(b) for b in keep]
         own = self.runner.role
-        rows = HiddenRows(own, torch.tensor(keep))  # the extend's rows of proposing requests
-        for step in range(1, self.num_steps):
-            out = self.runner.forward(
+        extend_rows = HiddenRows(own, torch.tensor(keep))  # the extend's proposing rows
+
+        def step(i: int, tokens: torch.Tensor, hidden: torch.Tensor) -> LogitsProcessorOutput:
+            return self.runner.forward(
                 ModelInput(
                     ForwardMode.DECODE,
                     tokens,
                     pools,
-                    positions,
+                    [p + i - 1 for p in first],
                     [1] * len(keep),
                     capture_hidden_mode=CaptureHiddenMode.LAST,
                     captured_hidden_states=hidden,
-                    spec_step_idx=step,
-                    hidden_rows=rows,
+                    spec_step_idx=i,
+                    hidden_rows=extend_rows if i == 1 else HiddenRows(own),
                 )
             )
-            tokens, hidden = pick(out.next_token_logits), out.hidden_states
-            rows = HiddenRows(own)
-            drafts.append(tokens)
-            positions = [p + 1 for p in positions]
-        return torch.stack(drafts, dim=1)
 
-
-def _argmax(logits: torch.Tensor) -> torch.Tensor:
-    return logits.argmax(-1)
+        return draft_chain(first_logits, first_hidden, self.num_steps, step, pick)

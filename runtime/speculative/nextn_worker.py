@@ -27,22 +27,13 @@ Speculation off in large batches (`speculation_policy`: vLLM's
 `speculative_disable_by_batch_size`, or by default a choice measured per batch bucket): a
 verify round scores `S + 1` rows per request, which pays while a step is bound by its fixed
 costs and not once it is bound by compute. A decode step the policy runs plainly runs as
-plain decoding (the target's captured decode step, capturing each row's hidden state) and
-keeps, per request, the rows the draft has not run over (`UndraftedRows`). When the
-requests speculate again, the draft first extends over all kept
-rows of each such request, as over a prefill chunk, and proposes from the newest, as it
-would after a verify round; then every request of the step verifies in one round. Prompt
-chunks prefilled while the next decode step is expected to run plainly keep their rows the
-same way instead of a draft pass (`_defers`). A request that finishes before speculating
-again costs the draft nothing: its newest rows go with the state the prefix cache keeps
-(`Req.owed_draft_rows`), and the draft runs over them only if a later request resumes
-from that state (`_adopt_owed`), as it catches up over its own skipped rows.
+plain decoding; the rows the draft skips meanwhile, its catch-up when the requests
+speculate again and the rows a finished request owes are `speculation_pause`'s.
 """
 
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -67,7 +58,12 @@ from runtime.execution.worker import (
 )
 from runtime.speculative.acceptance import VerifyResult, verify
 from runtime.speculative.captured_round import CapturedRound
-from runtime.speculative.draft_batch import DraftBatch
+from runtime.speculative.draft_batch import DraftBatch, chunk_spans, following_tokens
+from runtime.speculative.speculation_pause import (
+    SpeculationPause,
+    StepClock,
+    UndraftedRows,
+)
 from runtime.speculative.speculation_policy import speculation_policy
 
 
@@ -101,66 +97,6 @@ class SpecStats:
         return [a / self.verify_rounds if self.verify_rounds else 0.0 for a in self.accepted_at]
 
 
-@dataclass
-class UndraftedRows:
-    """Target rows of one request the draft has not run over: positions `start ..`, row p the
-    target's hidden state at p and the token at p + 1. With a window-only draft (`reach`
-    rows) only the newest `reach` rows are kept: the draft's pass over them would skip the
-    older ones anyway (`MTPDrafter._rows_to_skip`)."""
-
-    req: Req
-    start: int
-    hidden: list[torch.Tensor] = field(default_factory=list)  # [D] each
-    following: list[int] = field(default_factory=list)
-
-    def append(self, hidden: torch.Tensor, token: int, reach: int | None) -> None:
-        """One row `[D]` followed by `token` (a plain decode step's: called per request and
-        step, so without `extend`'s tensor round trip)."""
-        self.hidden.append(hidden)
-        self.following.append(token)
-        self._keep_newest(reach)
-
-    def extend(
-        self, hidden: torch.Tensor, tokens: list[int], reach: int | None, skipped: int = 0
-    ) -> None:
-        """Rows `[n, D]` followed by `tokens`, at the positions right after the kept ones
-        and `skipped` more (rows the caller already left out as older than `reach`)."""
-        if skipped:
-            self.start += len(self.following) + skipped
-            self.hidden, self.following = [], []
-        self.hidden.extend(hidden.unbind(0))
-        self.following.extend(tokens)
-        self._keep_newest(reach)
-
-    def _keep_newest(self, reach: int | None) -> None:
-        """Only the newest `reach` rows stay (all of them when `reach` is None)."""
-        if reach is not None and len(self.following) > reach:
-            drop = len(self.following) - reach
-            del self.hidden[:drop], self.following[:drop]
-            self.start += drop
-
-    def __len__(self) -> int:
-        return len(self.following)
-
-    def owed(self) -> OwedDraftRows:
-        return OwedDraftRows(self.start, torch.stack(self.hidden), tuple(self.following))
-
-    @classmethod
-    def resumed(cls, req: Req, owed: OwedDraftRows) -> UndraftedRows:
-        return cls(req, owed.start, list(owed.hidden.unbind(0)), list(owed.following))
-
-
-@dataclass(frozen=True)
-class DecodeMark:
-    """The end of a pure decode step, for a measured policy: when, its bucket and mode, and
-    the count of unsettled captured-step runs then."""
-
-    end: float
-    bucket: int
-    speculated: bool
-    unsettled: int
-
-
 class NextNWorker:
     supports_mixed = True
     needs_drafts = True  # a request decodes once a prefill step has drafted for it
@@ -174,18 +110,36 @@ class NextNWorker:
         generator: torch.Generator | None = None,
         max_pass_rows: int | None = None,
     ):
-        self.target, self.drafter, self.spec = target, drafter, spec
+        self.target, self.spec = target, spec
         self.eos_ids, self.generator = eos_ids, generator
-        # rows per draft pass over skipped rows (the prefill chunk budget; None: any)
-        self.max_pass_rows = chunk_budget(max_pass_rows)
         self.vocab_size = target.model_config.vocab_size
         self.stats = SpecStats(spec.num_steps)
-        self.policy = speculation_policy(
+        policy = speculation_policy(
             spec.disable_by_batch_size, spec.measured, measured_buckets(target)
         )
-        self.undrafted: dict[str, UndraftedRows] = {}  # by request id
-        self._last_decode: DecodeMark | None = None  # the previous step, if pure decode
+        # rows per draft pass over skipped rows: the prefill chunk budget (None: any)
+        self.pause = SpeculationPause(
+            drafter, policy, spec.num_steps, chunk_budget(max_pass_rows), self._graph_runners
+        )
+        self.clock = StepClock(self._unsettled_runs)
         self.captured_round = CapturedRound(target, drafter.runner, spec.num_steps)
+
+    # the drafter and the policy live with the pause (a calibration or a test swaps them here)
+    drafter = property(lambda self: self.pause.drafter)
+    policy = property(lambda self: self.pause.policy)
+
+    @drafter.setter
+    def drafter(self, drafter) -> None:
+        self.pause.drafter = drafter
+
+    @policy.setter
+    def policy(self, policy) -> None:
+        self.pause.policy = policy
+
+    @property
+    def undrafted(self) -> dict[str, UndraftedRows]:
+        """The rows the draft owes per request id (`SpeculationPause`)."""
+        return self.pause.undrafted
 
     @property
     def speculation(self) -> NextNWorker:
@@ -198,56 +152,29 @@ class NextNWorker:
         return 2 * self.spec.num_steps
 
     def speculates(self, reqs: Sequence[Req], beside_prompts: bool = False) -> bool:
-        """Whether a decode step over `reqs` runs verify rounds (a measured policy weighs
-        their own acceptance so far; `beside_prompts`: the step carries prompt chunks too,
-        which a measured policy decides by compute alone)."""
-        history = [round_history(r) for r in reqs]
-        return self.policy.speculates(len(reqs), history, beside_prompts=beside_prompts)
+        """`SpeculationPause.speculates`: whether a decode step over `reqs` runs rounds."""
+        return self.pause.speculates(reqs, beside_prompts)
 
     def step(
         self, prefill: Sequence[Chunk], decode: Sequence[Req]
     ) -> tuple[list[TokenOutput], list[TokenOutput]]:
-        self._adopt_owed([c.req for c in prefill] + list(decode))
+        """Decode first (a verify round, or a plain step while speculation is off), then the
+        prompt chunks (target extend, then the draft over the same rows)."""
+        self.pause.adopt_owed([c.req for c in prefill] + list(decode))
+        counters = self.clock.begin(self.stats)
         decode_out, speculated, caught_up = [], False, False
-        counters = (self.stats.verify_rounds, self.stats.emitted_tokens)
         if decode:
             speculated = self.speculates(decode, beside_prompts=bool(prefill))
             if speculated:
-                fresh = self._catch_up(decode)
+                fresh = self.pause.catch_up(decode)  # drafts of requests that were paused
                 caught_up = bool(fresh)
                 decode_out = self._verify(decode, fresh)
             else:
                 decode_out = self._decode_plain(decode)
         prefill_out = self._prefill(prefill, decode) if prefill else []
-        if self.policy.measured:
-            pure_decode = len(decode) if decode and not prefill else 0
-            self._time_step(pure_decode, speculated, caught_up, counters)
+        pure_decode = len(decode) if decode and not prefill else 0
+        self.clock.end(self.policy, self.stats, counters, pure_decode, speculated, caught_up)
         return prefill_out, decode_out
-
-    def _time_step(
-        self, batch_size: int, speculated: bool, caught_up: bool, counters: tuple[int, int]
-    ) -> None:
-        """A measured policy learns the rounds' acceptance from every step that ran rounds,
-        and step times from consecutive pure decode steps (`batch_size` > 0: no prompt
-        chunk) in the same mode and bucket: the time from the end of the first to the end
-        of the second is one step with everything the engine does per step (scheduling,
-        outputs, a server's streaming), which a round pays once for several tokens. A round
-        that first caught the draft up pays for the switch, not for itself; steps that met
-        a bucket still compiling are unsettled."""
-        now, unsettled = time.perf_counter(), self._unsettled_runs()
-        rounds = self.stats.verify_rounds - counters[0]
-        if rounds:
-            self.policy.record_accept(rounds, (self.stats.emitted_tokens - counters[1]) / rounds)
-        last, self._last_decode = self._last_decode, None
-        if not batch_size:
-            return
-        bucket = self.policy.bucket_of(batch_size)
-        self._last_decode = DecodeMark(now, bucket, speculated, unsettled)
-        if last is None or (last.bucket, last.speculated) != (bucket, speculated) or caught_up:
-            return
-        self.policy.record(
-            batch_size, speculated, now - last.end, settled=unsettled == last.unsettled
-        )
 
     def _unsettled_runs(self) -> int:
         """Steps so far that met a bucket still compiling (`GraphRunner.unsettled_runs`)."""
@@ -258,46 +185,14 @@ class NextNWorker:
         runners = (self.target, self.drafter.runner)
         return [r.graph_runner for r in runners if r.graph_runner is not None]
 
+    # --- while speculation is off (`speculation_pause`) --------------------------------------
     def release(self, reqs: Sequence[Req], keep_state: bool = False) -> list[list[int] | None]:
-        """`reqs` leave the running batch (finished, retracted or aborted) and their rows are
-        dropped. `keep_state`: the prefix cache keeps their state. With a window-only draft
-        a finished request's rows (its newest `kv_reach`) go with it
-        (`Req.owed_draft_rows`): the draft runs over them only for a later request that
-        resumes from that state. Otherwise the draft runs over the rows now
-        (`_draft_skipped`), so the cached draft state is what speculating every step leaves; a
-        request that is not finished (retracted, to resume right there) also gets the
-        drafts of its next round. Returns those drafts, None for the others."""
-        kept = {r.rid: self.undrafted.pop(r.rid) for r in reqs if r.rid in self.undrafted}
-        if not kept or not keep_state:
-            return [None] * len(reqs)
-        window_only = self.drafter.runner.model.kv_reach is not None
-        now = []
-        for rows in kept.values():
-            if rows.req.finished and window_only:
-                rows.req.owed_draft_rows = rows.owed()
-            else:
-                now.append(rows)
-        if not now:
-            return [None] * len(reqs)
-        drafted = self._draft_skipped(now, [not k.req.finished for k in now])
-        drafts = {rows.req.rid: d for rows, d in zip(now, drafted)}
-        return [drafts.get(r.rid) for r in reqs]
+        """`reqs` leave the running batch; `SpeculationPause.release`."""
+        return self.pause.release(reqs, keep_state)
 
     def owed_draft_rows(self, req: Req) -> OwedDraftRows | None:
-        """The rows the draft has not run over for `req` (a copy: they keep growing here),
-        for a snapshot of its state taken now."""
-        rows = self.undrafted.get(req.rid)
-        return rows.owed() if rows else None
-
-    def _adopt_owed(self, reqs: Sequence[Req]) -> None:
-        """Requests resumed from a cached state the draft has not run over all of take its
-        rows as their own skipped ones: their prompt chunks defer and their first
-        speculating step catches the draft up over those rows and theirs together, which
-        leaves the draft's cache as a draft pass at the first request's release would have."""
-        for req in reqs:
-            if req.owed_draft_rows is not None:
-                self.undrafted[req.rid] = UndraftedRows.resumed(req, req.owed_draft_rows)
-                req.owed_draft_rows = None
+        """`SpeculationPause.owed_draft_rows`."""
+        return self.pause.owed_draft_rows(req)
 
     def _decode_plain(self, reqs: Sequence[Req]) -> list[TokenOutput]:
         """One plain decode step (exactly `PlainWorker`'s sampling), keeping each row for
@@ -305,14 +200,9 @@ class NextNWorker:
         chunks = [Chunk(r, r.seq_len - 1, r.seq_len) for r in reqs]
         outputs, hidden = self._target_over(chunks, ForwardMode.DECODE)
         self.stats.plain_decode_tokens += len(reqs)
-        reach = self.drafter.runner.model.kv_reach
-        hidden = hidden[: len(reqs)].clone().unbind(0)
-        for req, output, row in zip(reqs, outputs, hidden):
+        for req in reqs:
             req.spec_plain_decode_tokens += 1
-            kept = self.undrafted.get(req.rid)
-            if kept is None:
-                kept = self.undrafted[req.rid] = UndraftedRows(req, req.seq_len - 1)
-            kept.append(row, output.tokens[0], reach)
+        self.pause.keep_decoded(reqs, outputs, hidden)
         return outputs
 
     def _target_over(
@@ -336,44 +226,12 @@ class NextNWorker:
         )
         return outputs, out.hidden_states
 
-    def _catch_up(self, reqs: Sequence[Req]) -> dict[str, list[int]]:
-        """Drafts for this step's round of the requests that decoded without speculation:
-        the draft runs over every row it skipped (the newest one is followed by the
-        request's newest token) and proposes from the newest, as it does after a verify
-        round. By request id; empty when every request has its drafts already."""
-        behind = [self.undrafted.pop(r.rid) for r in reqs if r.rid in self.undrafted]
-        if not behind:
-            return {}
-        drafts = self._draft_skipped(behind, [True] * len(behind))
-        return {rows.req.rid: drafted for rows, drafted in zip(behind, drafts)}
-
-    def _draft_skipped(
-        self, kept: Sequence[UndraftedRows], propose: Sequence[bool]
-    ) -> list[list[int] | None]:
-        """The draft over the rows `kept` holds, in passes of whole requests of at most
-        `max_pass_rows` rows together (one request's rows may exceed it alone), as the
-        scheduler chunks prompts: a batch that stopped speculating right after its prompts
-        owes a window of rows per request, and one pass over all of them (8,000 rows at 64
-        requests of the default model) needs several times the transient memory of any
-        prefill chunk, which a process then allocates afresh. Drafts per request, in
-        order (None where `propose` is False). A pass takes a captured step that is ready
-        or runs eagerly, and queues no compile: its rows per request are the plain steps
-        it missed, a count no warm-up meets, each a step of its own (compiled inline, one
-        stalled a benchmark's timed batch), and such passes are rare."""
-        drafts: list[list[int] | None] = []
-        with no_new_compiles(self._graph_runners()):
-            for group in pass_groups([len(k) for k in kept], self.max_pass_rows):
-                kept_group = [kept[i] for i in group]
-                batch = catch_up_draft_batch(kept_group, [propose[i] for i in group])
-                drafts += self.drafter.draft(batch)
-        return drafts
-
     def _prefill(self, chunks: Sequence[Chunk], decoding: Sequence[Req]) -> list[TokenOutput]:
         """Target extend, a token for every chunk that completes its prompt, then the draft
         over the same rows (proposing only for the completing chunks), except for chunks
-        it defers (`_defers`)."""
+        it defers (`SpeculationPause.defers`)."""
         outputs, hidden = self._target_over(chunks, ForwardMode.EXTEND)
-        defer = self._defers(chunks, decoding)
+        defer = self.pause.defers(chunks, decoding)
         now = [i for i, deferred in enumerate(defer) if not deferred]
         if now:
             rows = hidden if len(now) == len(chunks) else hidden[chunk_rows(chunks, now)]
@@ -381,46 +239,8 @@ class NextNWorker:
             for i, drafted in zip(now, self.drafter.draft(batch)):
                 outputs[i].draft_tokens = drafted
         if len(now) < len(chunks):
-            self._keep_undrafted(chunks, outputs, hidden, defer)
+            self.pause.keep_deferred(chunks, outputs, hidden, defer)
         return outputs
-
-    def _keep_undrafted(self, chunks, outputs, hidden: torch.Tensor, defer: list[bool]) -> None:
-        """The deferred chunks' rows (the newest `kv_reach` of them) join their requests'
-        `UndraftedRows`; a chunk that completes its prompt (or resumes a retracted request)
-        gets placeholder drafts, replaced by the catch-up's before any round verifies."""
-        reach = self.drafter.runner.model.kv_reach
-        spans = chunk_spans(chunks)
-        for chunk, output, deferred, (begin, end) in zip(chunks, outputs, defer, spans):
-            if not deferred:
-                continue
-            req = chunk.req
-            kept = self.undrafted.setdefault(req.rid, UndraftedRows(req, chunk.start))
-            rows = hidden[max(begin, end - reach) : end].clone()
-            following = following_tokens(chunk, output)[-len(rows) :]
-            kept.extend(rows, following, reach, skipped=chunk.length - len(rows))
-            if chunk.completes or chunk.resumes:
-                output.draft_tokens = DRAFTS_TO_COME * self.spec.num_steps
-
-    def _defers(self, chunks: Sequence[Chunk], decoding: Sequence[Req]) -> list[bool]:
-        """Which chunks leave their rows to the draft's catch-up (`UndraftedRows`) instead
-        of a draft pass now. While the next decode step is expected to run without
-        speculation (the policy's choice for this step's decode batch plus the requests
-        of its chunks), a pass now may be wasted: a request that
-        finishes before speculation resumes needs no draft pass (its newest `kv_reach`
-        rows go with the state the prefix cache keeps). A chunk of a request with rows
-        kept already defers too (a request resumed from a state the draft owes rows,
-        `_adopt_owed`, included), since the draft reads the rows before it. Only with a
-        window-only draft: a draft reading every row would keep every prompt row's hidden
-        state."""
-        if self.policy.plain_from() is None and not self.undrafted:
-            return [False] * len(chunks)  # nothing skipped, nothing to skip
-        if self.drafter.runner.model.kv_reach is None:
-            return [False] * len(chunks)
-        # the batch these prompts decode in: the running one plus every chunk's request (a
-        # request whose prompt does not complete here still joins it within a few steps; a
-        # step of partial chunks alone would otherwise ask about an empty batch)
-        off = not self.speculates([*decoding, *(c.req for c in chunks)], beside_prompts=True)
-        return [off or c.req.rid in self.undrafted for c in chunks]
 
     def _verify(self, reqs: Sequence[Req], fresh: dict[str, list[int]]) -> list[TokenOutput]:
         """One round per request, as gpt-fast's `speculative_decode`: the target scores the
@@ -522,13 +342,6 @@ class NextNWorker:
 # ---------------------------------------------------------------------------------------
 
 
-def round_history(req: Req) -> tuple[int, int]:
-    """`(rounds, tokens)` a request's verify rounds have yielded so far (accepted drafts plus
-    each round's own token)."""
-    accepted = sum(m * rounds for m, rounds in enumerate(req.spec_accept_hist))
-    return req.spec_verify_ct, req.spec_verify_ct + accepted
-
-
 def measured_buckets(target: ModelRunner):
     """The target's bucket of a batch size where its decode steps are captured (the buckets
     a measured policy times), else None."""
@@ -599,62 +412,6 @@ def redraft_batch(
         propose=[True] * bs,
         pending_tokens=result.tokens(drafts) if any(r.grammar for r in reqs) else None,
     )
-
-
-def pass_groups(lengths: Sequence[int], max_rows: int | None) -> list[range]:
-    """Consecutive indices of `lengths` in groups of at most `max_rows` rows together (a
-    single longer one alone); one group when `max_rows` is None."""
-    if max_rows is None:
-        return [range(len(lengths))]
-    groups, start, rows = [], 0, 0
-    for i, n in enumerate(lengths):
-        if i > start and rows + n > max_rows:
-            groups.append(range(start, i))
-            start, rows = i, 0
-        rows += n
-    if start < len(lengths):
-        groups.append(range(start, len(lengths)))
-    return groups
-
-
-def catch_up_draft_batch(kept: Sequence[UndraftedRows], propose: Sequence[bool]) -> DraftBatch:
-    """The draft's pass over the rows requests decoded without speculation, proposing from
-    each request's newest row where `propose` says so. Their grammars have seen every
-    emitted token already."""
-    reqs = [k.req for k in kept]
-    return DraftBatch(
-        reqs=reqs,
-        prefix_lens=[k.start for k in kept],
-        extend_lens=[len(k) for k in kept],
-        next_tokens=torch.tensor([t for k in kept for t in k.following], dtype=torch.long),
-        target_hidden=torch.stack([h for k in kept for h in k.hidden]),
-        gather_rows=[len(k) - 1 for k in kept],
-        propose=list(propose),
-        pending_tokens=[[] for _ in kept] if any(r.grammar for r in reqs) else None,
-        from_latest_target=False,
-    )
-
-
-# a deferred request's drafts until its first speculating step drafts them (`_catch_up`):
-# the scheduler decodes a request that has drafts, and a verify round takes the caught-up
-# ones instead
-DRAFTS_TO_COME = [0]
-
-
-def following_tokens(chunk: Chunk, output: TokenOutput) -> list[int]:
-    """The token after each row of `chunk`: the next prompt token, or for the last row of a
-    completing chunk the token just sampled."""
-    req = chunk.req
-    return req.all_ids[chunk.start + 1 : chunk.end] + (output.tokens or [req.all_ids[chunk.end]])
-
-
-def chunk_spans(chunks: Sequence[Chunk]) -> list[tuple[int, int]]:
-    """Each chunk's rows `[begin, end)` in the step's `[sum len, D]`."""
-    spans, end = [], 0
-    for c in chunks:
-        spans.append((end, end + c.length))
-        end += c.length
-    return spans
 
 
 def chunk_rows(chunks: Sequence[Chunk], picked: Sequence[int]) -> torch.Tensor:

@@ -17,7 +17,8 @@ import pytest
 
 from runtime import Engine
 from runtime.configs.capture import DISABLE_ENV
-from runtime.execution.graph_runner import GraphRunner, StepState
+from runtime.execution.graph_runner import StepState
+from runtime.execution.step_compiler import StepCompiler
 from tests.engine.test_captured_steps import prompts_of, staggered_generate
 from tests.tiny_checkpoints import build_tiny_v4_mtp_checkpoint
 
@@ -35,11 +36,11 @@ def stubbed_compiles(monkeypatch):
     compiled = []
 
     def fake_compile(self, step):
-        compiled.append((self.runner.role, step.key))
+        compiled.append((self.role, step.key))
         step.fn = getattr(step.fn, "_torchdynamo_orig_callable", step.fn)
         step.state = StepState.READY
 
-    monkeypatch.setattr(GraphRunner, "compile_step", fake_compile)
+    monkeypatch.setattr(StepCompiler, "compile_step", fake_compile)
     monkeypatch.delenv(DISABLE_ENV, raising=False)
     return compiled
 

@@ -142,7 +142,7 @@ def test_rounds_waiting_for_their_fused_graph_queue_no_step_only_other_rounds_ne
             queued.append(f"{name} {step.key.describe()}")
             step.state = StepState.COMPILING  # as the background thread's queue does
 
-        monkeypatch.setattr(runner.graph_runner, "_schedule", schedule)
+        monkeypatch.setattr(runner.graph_runner.compiler, "schedule", schedule)
     outs = engine.generate(input_ids=prompts, sampling_params=greedy)
     assert [o["output_ids"] for o in outs] == expected
     # the draft's chained steps after each prompt's extend, and the fused round

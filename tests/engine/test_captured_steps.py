@@ -26,8 +26,7 @@ from runtime.configs.capture import DISABLE_ENV, CaptureConfig, default_cache_di
 from runtime.configs.model_config import ModelConfig
 from runtime.core.forward_mode import CaptureHiddenMode, ForwardMode
 from runtime.engine.capture_warmup import captured_runners
-from runtime.execution import compile_worker
-from runtime.execution import graph_runner as graph_runner_mod
+from runtime.execution import compile_worker, step_compiler
 from runtime.execution.graph_runner import GraphRunner, StepState, draft_round_function
 from runtime.execution.model_input import ModelInput
 from runtime.execution.model_runner import ModelRunner
@@ -510,15 +509,15 @@ def test_cuda_runner_records_inline_and_warns_about_compiling_on_first_use(caplo
     assert plain.cuda and "CUDA graphs" in plain.describe()
     assert "recorded on first use" in plain.describe()
     recorded = []
-    plain.compile_step = recorded.append  # what `_schedule` does with a pending step
-    plain._schedule("step")
-    assert recorded == ["step"] and plain._worker is None  # no worker thread
-    with caplog.at_level("WARNING", logger="runtime.execution.graph_runner"):
+    plain.compiler.compile_step = recorded.append  # what `schedule` does with a pending step
+    plain.compiler.schedule("step")
+    assert recorded == ["step"] and plain.compiler.worker is None  # no worker thread
+    with caplog.at_level("WARNING", logger="runtime.execution.step_compiler"):
         compiled = GraphRunner(runner, CaptureConfig(batch_sizes=(1,), torch_compile=True), 4)
     assert "torch.compile + CUDA graphs" in compiled.describe()
     assert any("--capture-compile startup" in r.getMessage() for r in caplog.records)
     caplog.clear()
-    with caplog.at_level("WARNING", logger="runtime.execution.graph_runner"):
+    with caplog.at_level("WARNING", logger="runtime.execution.step_compiler"):
         GraphRunner(runner, CaptureConfig(torch_compile=True, background=False), 4)
     assert not caplog.records
 
@@ -537,15 +536,15 @@ def test_steps_that_meet_their_bucket_not_ready_are_counted_unsettled(tiny_v4, m
         scheduled.append(step)
         step.state = StepState.COMPILING  # as the background compile thread's queue does
 
-    monkeypatch.setattr(graph_runner, "_schedule", schedule)
+    monkeypatch.setattr(graph_runner.compiler, "schedule", schedule)
     key = StepKey(ForwardMode.DECODE, 1, 1, CaptureHiddenMode.NULL, LOGITS_PER_REQUEST, False, 0)
-    assert graph_runner._ready_step(key, None) is None and graph_runner.unsettled_runs == 1
-    assert graph_runner._ready_step(key, None) is None and graph_runner.unsettled_runs == 2
+    assert graph_runner.compiler.ready_step(key, None) is None and graph_runner.unsettled_runs == 1
+    assert graph_runner.compiler.ready_step(key, None) is None and graph_runner.unsettled_runs == 2
     scheduled[0].state = StepState.READY
-    assert graph_runner._ready_step(key, None) is scheduled[0]
+    assert graph_runner.compiler.ready_step(key, None) is scheduled[0]
     assert graph_runner.unsettled_runs == 2
     graph_runner.compiles_on_demand = False
-    assert graph_runner._ready_step(dataclasses.replace(key, bucket=2), None) is None
+    assert graph_runner.compiler.ready_step(dataclasses.replace(key, bucket=2), None) is None
     assert graph_runner.unsettled_runs == 2 and len(scheduled) == 1
 
 
@@ -562,7 +561,7 @@ def test_compile_buckets_repeats_every_seen_step_at_each_bucket(tiny_v4, monkeyp
         compiled.append(step.key)
         step.state = StepState.READY
 
-    monkeypatch.setattr(graph_runner, "compile_step", fake_compile)
+    monkeypatch.setattr(graph_runner.compiler, "compile_step", fake_compile)
     prompts = prompts_of((9,), seed=5)
     reqs = prefill(table, runner, prompts)
     inp = ModelInput(ForwardMode.DECODE, torch.tensor([prompts[0][-1]]), reqs, [9], [1])
@@ -639,7 +638,7 @@ def test_guards_of_captured_steps_hold_for_every_batch(family, request, monkeypa
     lengths = [30, 12, 25, 40, 18]
     common = dict(model_path=str(path), dtype="float32", page_size=4)
     reference = staggered_generate(Engine(**common, disable_cuda_graph=True), prompts, lengths)
-    monkeypatch.setattr(graph_runner_mod, "guard_skipping", graph_runner_mod.GuardSkipping(False))
+    monkeypatch.setattr(step_compiler, "guard_skipping", step_compiler.GuardSkipping(False))
     monkeypatch.setattr(dynamo_config, "error_on_recompile", True)
     monkeypatch.delenv(DISABLE_ENV, raising=False)
     nextn = {"speculative_algorithm": "NEXTN", "speculative_disable_by_batch_size": "none"}

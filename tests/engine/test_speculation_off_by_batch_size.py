@@ -106,7 +106,7 @@ def test_a_draft_pass_over_skipped_rows_queues_no_compile(checkpoint, monkeypatc
             queued.append(step.key.describe())
             step.state = StepState.COMPILING
 
-        monkeypatch.setattr(runner.graph_runner, "_schedule", schedule)
+        monkeypatch.setattr(runner.graph_runner.compiler, "schedule", schedule)
     proposals = record_proposals(engine)
     reqs = [engine.make_request(ids, p) for ids, p in zip(prompts, params, strict=True)]
     engine.add_request(reqs[0])

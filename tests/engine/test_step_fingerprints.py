@@ -16,7 +16,7 @@ import torch
 from runtime import Engine
 from runtime.configs.capture import DISABLE_ENV
 from runtime.engine.capture_warmup import captured_runners
-from runtime.execution.graph_runner import GraphRunner
+from runtime.execution.step_compiler import StepCompiler
 from runtime.execution.step_store import fingerprint
 from tests.engine.test_captured_steps import prompts_of, staggered_generate
 
@@ -27,11 +27,11 @@ def fingerprints(engine) -> dict:
     prints = {}
     for runner in captured_runners(engine):
         graph_runner = runner.graph_runner
-        for key, step in list(graph_runner._steps.items()):
+        for key, step in list(graph_runner.compiler.steps.items()):
             with torch.inference_mode():
-                args = graph_runner._padding_args(step)
+                args = graph_runner.compiler.padding_args(step)
             prints[(runner.role, key)] = fingerprint(
-                step.fn, args, graph_runner._options(), key.describe()
+                step.fn, args, graph_runner.compiler.options(), key.describe()
             )
     return prints
 
@@ -39,7 +39,7 @@ def fingerprints(engine) -> dict:
 @pytest.mark.parametrize("spec", [{}, NEXTN], ids=["plain", "nextn"])
 def test_fingerprints_hold_while_serving_and_across_engines(checkpoint, monkeypatch, spec):
     monkeypatch.delenv(DISABLE_ENV, raising=False)
-    monkeypatch.setattr(GraphRunner, "_schedule", lambda self, step: None)  # stay eager
+    monkeypatch.setattr(StepCompiler, "schedule", lambda self, step: None)  # stay eager
     prompts = prompts_of((5, 23, 40, 11), seed=3)
     lengths = [12, 6, 15, 9]
 

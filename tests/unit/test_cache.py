@@ -126,7 +126,7 @@ def test_uniform_metadata_numpy_equals_torch(rows_per_req):
     from runtime.cache.deepseek_v4_metadata import uniform_metadata, uniform_metadata_torch
     from runtime.core.forward_context import ForwardContext
     from runtime.core.forward_mode import ForwardMode
-    from runtime.execution.graph_runner import tensors_of
+    from runtime.execution.capture_buffer import tensors_of
 
     layout = DeepseekV4CacheLayout((0, 4, 16), head_dim=8, index_head_dim=4, sliding_window=8)
     geometry = PoolGeometry(
@@ -267,7 +267,7 @@ def test_qwen4_exp_uniform_metadata_numpy_equals_torch(rows_per_req):
     from runtime.cache.qwen4_exp_pool import Qwen4ExpKVPool
     from runtime.core.forward_context import ForwardContext
     from runtime.core.forward_mode import ForwardMode
-    from runtime.execution.graph_runner import tensors_of
+    from runtime.execution.capture_buffer import tensors_of
 
     t = table(max_reqs=3, pages=48, page_size=4, context=64)
     geometry = PoolGeometry(

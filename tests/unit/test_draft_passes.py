@@ -1,9 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The draft's passes over rows it skipped (`NextNWorker._draft_skipped`) keep to the prefill
+"""The draft's passes over rows it skipped (`SpeculationPause.draft_skipped`) keep to the prefill
 chunk budget; `tests/engine/test_speculation_off_by_batch_size.py` checks the drafts of
 split passes against an engine that never skipped (chunks of 7 tokens)."""
 
-from runtime.speculative.nextn_worker import pass_groups
+from runtime.speculative.speculation_pause import pass_groups
 
 
 def test_draft_passes_over_skipped_rows_keep_to_the_row_budget():

@@ -14,16 +14,9 @@ from torch._dynamo.eval_frame import _is_skip_guard_eval_unsafe_stance
 
 from runtime.configs.capture import CaptureConfig
 from runtime.core.forward_mode import CaptureHiddenMode, ForwardMode
-from runtime.execution import graph_runner as graph_runner_mod
-from runtime.execution.graph_runner import (
-    LOGITS_ALL,
-    GraphRunner,
-    GuardSkipping,
-    StepKey,
-    StepRecipe,
-    StepState,
-    fresh_function,
-)
+from runtime.execution import step_compiler
+from runtime.execution.graph_runner import LOGITS_ALL, GraphRunner, StepKey, StepRecipe, StepState
+from runtime.execution.step_compiler import GuardSkipping, fresh_function
 
 
 def compiled(offset: float):
@@ -134,7 +127,7 @@ def test_a_graph_runner_compile_started_inside_a_captured_call_succeeds(monkeypa
     of a ready step when the background thread starts compiling another. The compile
     waits for the call to end and succeeds (it used to fail, and its step ran eagerly
     until a restart)."""
-    monkeypatch.setattr(graph_runner_mod, "guard_skipping", GuardSkipping(True))
+    monkeypatch.setattr(step_compiler, "guard_skipping", GuardSkipping(True))
     pool = SimpleNamespace(pad_req=0, max_context_len=64)
     runner = SimpleNamespace(
         device="cpu", slot_table=SimpleNamespace(req_pool=pool), kv_pool=None, call_model=None
@@ -164,7 +157,7 @@ def test_a_graph_runner_compile_started_inside_a_captured_call_succeeds(monkeypa
 
     def call():  # every forward runs in inference mode, as the compile does
         with torch.inference_mode():
-            return graph_runner._call_compiled(ready, (torch.ones(3),))
+            return graph_runner.compiler.call(ready, (torch.ones(3),))
 
     caller, out = run_in_thread(call)
     assert inside.wait(10) and _is_skip_guard_eval_unsafe_stance()

@@ -24,16 +24,9 @@ from torch import nn
 from runtime.configs import compiler_caches
 from runtime.configs.capture import CaptureConfig
 from runtime.core.forward_mode import CaptureHiddenMode, ForwardMode
-from runtime.execution import graph_runner as graph_runner_mod
-from runtime.execution import step_store
-from runtime.execution.graph_runner import (
-    LOGITS_ALL,
-    GraphRunner,
-    StepKey,
-    StepRecipe,
-    StepState,
-    fresh_function,
-)
+from runtime.execution import step_compiler, step_store
+from runtime.execution.graph_runner import LOGITS_ALL, GraphRunner, StepKey, StepRecipe, StepState
+from runtime.execution.step_compiler import fresh_function
 from runtime.execution.step_store import (
     StepStore,
     external_objects,
@@ -186,7 +179,7 @@ def test_the_store_keeps_its_most_recently_used_steps_under_its_limit(tmp_path):
 def precompiling(monkeypatch):
     """Graph runners precompile their steps; their cache directories are temporary ones,
     so inductor's stays where it is."""
-    monkeypatch.setattr(graph_runner_mod, "PRECOMPILE", True)
+    monkeypatch.setattr(step_compiler, "PRECOMPILE", True)
     if not compiler_caches.user_chose(compiler_caches.INDUCTOR_ENV):
         inductor_dir = CaptureConfig().resolved_cache_dir() / "inductor"
         monkeypatch.setenv(compiler_caches.INDUCTOR_ENV, str(inductor_dir))
@@ -225,7 +218,7 @@ def test_a_second_graph_runner_loads_the_step_unless_it_differs_from_eager(
     assert len(list(tmp_path.joinpath("steps").iterdir())) == 1
 
     if stored == "differs":  # the eager step disagrees with what was stored: compile afresh
-        monkeypatch.setattr(graph_runner_mod, "outputs_match", lambda got, expected: False)
+        monkeypatch.setattr(step_compiler, "outputs_match", lambda got, expected: False)
     if stored == "fails":  # the stored step raises when run: compile afresh, not eager
         load = StepStore.load
 
@@ -244,7 +237,7 @@ def test_a_second_graph_runner_loads_the_step_unless_it_differs_from_eager(
     assert step.loaded is (stored == "matches")
     x = torch.randn(1, 8)
     with torch.inference_mode():
-        out = second._call_compiled(step, (x,))[0]
+        out = second.compiler.call(step, (x,))[0]
     torch.testing.assert_close(out, torch.relu(block.proj(x)) * 2.0 + 2)
 
 
@@ -260,9 +253,9 @@ def test_a_background_graph_runner_prepares_the_store_before_any_step(
     config = CaptureConfig(batch_sizes=(1,), cache_dir=str(tmp_path))
     graph_runner = GraphRunner(runner, config, 1)
     assert prepared.wait(30) and pruned.wait(30)
-    assert graph_runner._worker._thread.name == "capture"
+    assert graph_runner.compiler.worker._thread.name == "capture"
     inline = GraphRunner(runner, CaptureConfig(batch_sizes=(1,), background=False), 1)
-    assert inline._worker is None  # nothing runs beside an inline runner
+    assert inline.compiler.worker is None  # nothing runs beside an inline runner
 
 
 def test_the_vector_isa_is_probed_by_one_thread_at_a_time(monkeypatch):
