@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The project's C++ CPU kernels (`csrc/nextn_cpu.cpp`), built on first use.
+"""The project's C++ CPU kernels (`csrc/*.cpp`, one extension), built on first use.
 
 Operators under the `nextn_cpu` namespace, each with a fake implementation so a
 compiled step holds it as one opaque node, which inductor's C++ wrapper calls through the
@@ -15,7 +15,9 @@ torch ops the same way):
 * `hc_pre`, `hc_post` and `sinkhorn`: mHC's collapse of the streams (mixing weights,
   Sinkhorn, weighted sum), stream expansion and Sinkhorn normalisation, the first two in
   captured steps too (`runtime.kernels.hc_pre`, `runtime.kernels.stream_expand`,
-  `runtime.kernels.sinkhorn`).
+  `runtime.kernels.sinkhorn`);
+* `rotary` (`csrc/rotary.cpp`): rotary position embedding of a slice of each head in one
+  pass, eager and in captured steps (`runtime.kernels.rotary`).
 
 `load` builds the extension with `torch.utils.cpp_extension` (about 20 s once per machine,
 then loaded from its build directory) and registers the fakes; the graph runner calls it
@@ -43,7 +45,8 @@ from runtime.kernels import dense_product
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).resolve().parent / "csrc" / "nextn_cpu.cpp"
+CSRC = Path(__file__).resolve().parent / "csrc"
+SOURCES = (CSRC / "nextn_cpu.cpp", CSRC / "rotary.cpp")
 DISABLE_ENV = "NEXTN_DISABLE_CPU_KERNELS"
 # the instruction sets the kernels are built for, by what this torch build dispatches to
 ISA_FLAGS = {
@@ -118,7 +121,8 @@ def _build(cache_dir: Path | str | None) -> None:
     # a build serves one source, flags, torch and Python (a shared cache directory may see
     # several installs; an extension built against another torch must not be loaded)
     built_for = repr((flags, torch.__version__, sys.version)).encode()
-    tag = hashlib.sha256(SOURCE.read_bytes() + built_for).hexdigest()[:12]
+    sources = b"".join(source.read_bytes() for source in SOURCES)
+    tag = hashlib.sha256(sources + built_for).hexdigest()[:12]
     name = f"nextn_cpu_{isa.lower()}_{tag}"
     build_dir = None
     if cache_dir is not None:
@@ -127,7 +131,7 @@ def _build(cache_dir: Path | str | None) -> None:
         wait_for_build_lock(build_dir / "lock")
     cpp_extension.load(
         name=name,
-        sources=[str(SOURCE)],
+        sources=[str(source) for source in SOURCES],
         extra_cflags=flags,
         build_directory=None if build_dir is None else str(build_dir),
         is_python_module=False,
@@ -146,6 +150,7 @@ def _build(cache_dir: Path | str | None) -> None:
     torch.library.register_fake("nextn_cpu::dense_product")(_dense_product_fake)
     torch.library.register_fake("nextn_cpu::group_attention")(_group_attention_fake)
     torch.library.register_fake("nextn_cpu::dense_grouped_product")(_dense_grouped_product_fake)
+    torch.library.register_fake("nextn_cpu::rotary")(_rotary_fake)
 
 
 def wait_for_build_lock(
@@ -200,6 +205,10 @@ def _hc_pre_fake(x, fn, scale, base, norm_eps, hc_eps, iters):
         x.new_empty((tokens, streams), dtype=fp32),
         x.new_empty((tokens, streams, streams), dtype=fp32),
     )
+
+
+def _rotary_fake(x, cos, sin, lo, interleaved, inverse):
+    return x.new_empty(x.shape)
 
 
 def _rms_norm_fake(x, weight, eps):
