@@ -17,7 +17,10 @@ torch ops the same way):
   captured steps too (`runtime.kernels.hc_pre`, `runtime.kernels.stream_expand`,
   `runtime.kernels.sinkhorn`);
 * `rotary` (`csrc/rotary.cpp`): rotary position embedding of a slice of each head in one
-  pass, eager and in captured steps (`runtime.kernels.rotary`).
+  pass, eager and in captured steps (`runtime.kernels.rotary`);
+* `compressor_pool` (`csrc/compressor_pool.cpp`): DeepSeek-V4's compressor pooling of a
+  block's state rows into one entry, eager and in captured steps
+  (`runtime.kernels.compressor_pool`).
 
 `load` builds the extension with `torch.utils.cpp_extension` (about 20 s once per machine,
 then loaded from its build directory) and registers the fakes; the graph runner calls it
@@ -46,7 +49,7 @@ from runtime.kernels import dense_product
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = (CSRC / "nextn_cpu.cpp", CSRC / "rotary.cpp")
+SOURCES = (CSRC / "nextn_cpu.cpp", CSRC / "rotary.cpp", CSRC / "compressor_pool.cpp")
 DISABLE_ENV = "NEXTN_DISABLE_CPU_KERNELS"
 # the instruction sets the kernels are built for, by what this torch build dispatches to
 ISA_FLAGS = {
@@ -151,6 +154,7 @@ def _build(cache_dir: Path | str | None) -> None:
     torch.library.register_fake("nextn_cpu::group_attention")(_group_attention_fake)
     torch.library.register_fake("nextn_cpu::dense_grouped_product")(_dense_grouped_product_fake)
     torch.library.register_fake("nextn_cpu::rotary")(_rotary_fake)
+    torch.library.register_fake("nextn_cpu::compressor_pool")(_compressor_pool_fake)
 
 
 def wait_for_build_lock(
@@ -209,6 +213,10 @@ def _hc_pre_fake(x, fn, scale, base, norm_eps, hc_eps, iters):
 
 def _rotary_fake(x, cos, sin, lo, interleaved, inverse):
     return x.new_empty(x.shape)
+
+
+def _compressor_pool_fake(rows, valid, dim, ratio, overlap):
+    return rows.new_empty((rows.shape[0], dim))
 
 
 def _rms_norm_fake(x, weight, eps):

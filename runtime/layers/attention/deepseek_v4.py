@@ -35,6 +35,7 @@ from runtime.cache.deepseek_v4_metadata import (
 from runtime.cache.deepseek_v4_pool import DeepseekV4KVPool
 from runtime.core.forward_context import ForwardContext
 from runtime.distributed import ParallelGroup
+from runtime.kernels import compressor_pool as pool_kernel
 from runtime.kernels.indexer_topk import indexer_topk
 from runtime.kernels.row_gather import take_rows
 from runtime.kernels.sink_attention import (
@@ -156,6 +157,8 @@ class DeepseekV4Compressor(nn.Module):
     def _pool(self, rows: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         """`rows [B, overlap*ratio, 2*overlap*dim]` -> entries `[B, dim]` (fp32)."""
         width, d, r = self.overlap * self.dim, self.dim, self.ratio
+        if pool_kernel.uses_kernel(rows, valid):
+            return pool_kernel.compressor_pool(rows, valid, d, r, self.overlap)
         kv, gate = rows[..., :width], rows[..., width:]
         if self.overlap == 2:
             kv = torch.cat([kv[:, :r, :d], kv[:, r:, d:]], dim=1)

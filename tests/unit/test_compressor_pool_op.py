@@ -1,0 +1,188 @@
+# SPDX-License-Identifier: Apache-2.0
+"""DeepSeek-V4's compressor pooling as one operator (`runtime.kernels.compressor_pool`): the
+C++ kernel `nextn_cpu::compressor_pool` and the Triton kernel of `nextn::compressor_pool`
+(on CPU tensors through Triton's interpreter, in a child process: `TRITON_INTERPRET` must
+be set before the kernel is defined; or on a GPU where there is one) against the torch
+reference, for HCA (overlap 1) and CSA (overlap 2) blocks, some rows not valid, none
+valid; the reference against a float64 restatement row by row; the fakes against the real
+outputs; and a compiled compressor holding the pooling as one node.
+
+Only the order of the sums differs from the reference (a few ulps of fp32).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from runtime.configs.capture import default_cache_dir
+from runtime.kernels import cpu_extension
+from runtime.kernels.compressor_pool import (
+    compressor_pool,
+    compressor_pool_op,
+    compressor_pool_reference,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+# (entries, dim, ratio, overlap)
+SHAPES = [(1, 16, 4, 2), (5, 33, 4, 2), (3, 70, 8, 1), (9, 8, 3, 1), (0, 16, 4, 2)]
+
+
+def make_case(entries, dim, ratio, overlap, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    length = overlap * ratio
+    rows = torch.randn(entries, length, 2 * overlap * dim, generator=g) * 3
+    valid = torch.rand(entries, length, generator=g) > 0.3
+    valid[:, -1] = True  # every block has a row (the all-masked case is its own test)
+    return rows, valid, dim, ratio, overlap
+
+
+def assert_matches(got, rows, valid, dim, ratio, overlap):
+    exact = compressor_pool_reference(rows, valid, dim, ratio, overlap)
+    assert got.shape == exact.shape and got.dtype == torch.float32
+    torch.testing.assert_close(got, exact, rtol=1e-5, atol=1e-6)
+
+
+def test_reference_is_the_row_by_row_pooling():
+    rows, valid, dim, ratio, overlap = make_case(3, 6, 4, 2, seed=1)
+    got = compressor_pool_reference(rows, valid, dim, ratio, overlap)
+    width = overlap * dim
+    for b in range(3):
+        for c in range(dim):
+            kv, gate = [], []
+            for j in range(overlap * ratio):
+                channel = c + (dim if j >= ratio else 0)
+                if valid[b, j]:
+                    kv.append(rows[b, j, channel].double())
+                    gate.append(rows[b, j, width + channel].double())
+            weights = torch.softmax(torch.stack(gate), 0)
+            expected = (weights * torch.stack(kv)).sum()
+            torch.testing.assert_close(got[b, c].double(), expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    if not cpu_extension.load(default_cache_dir()):
+        pytest.skip("the C++ CPU kernels cannot be built here")
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_cpu_kernel_matches_reference(kernels, shape):
+    case = make_case(*shape, seed=sum(shape))
+    with torch.no_grad():
+        got = torch.ops.nextn_cpu.compressor_pool(*case)
+    assert_matches(got, *case)
+
+
+def test_cpu_kernel_of_a_block_with_no_valid_row_is_nan_as_torch(kernels):
+    rows, valid, dim, ratio, overlap = make_case(2, 8, 4, 1)
+    valid[0] = False
+    got = torch.ops.nextn_cpu.compressor_pool(rows, valid, dim, ratio, overlap)
+    exact = compressor_pool_reference(rows, valid, dim, ratio, overlap)
+    assert got[0].isnan().all() and exact[0].isnan().all()
+    torch.testing.assert_close(got[1], exact[1], rtol=1e-5, atol=1e-6)
+
+
+def test_cpu_kernel_checks_its_operands(kernels):
+    rows, valid, dim, ratio, overlap = make_case(2, 8, 4, 2)
+    for bad in (
+        (rows, valid, dim + 1, ratio, overlap),
+        (rows, valid, dim, ratio, 3),
+        (rows, valid[:, :-1], dim, ratio, overlap),
+        (rows.double(), valid, dim, ratio, overlap),
+    ):
+        with pytest.raises(RuntimeError, match="compressor_pool"):
+            torch.ops.nextn_cpu.compressor_pool(*bad)
+
+
+def test_fakes_give_the_real_shapes(kernels):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    case = make_case(5, 16, 4, 2)
+    for op in (torch.ops.nextn_cpu.compressor_pool.default, compressor_pool_op):
+        real = op(*case)
+        with FakeTensorMode() as mode:
+            fake = op(mode.from_tensor(case[0]), mode.from_tensor(case[1]), *case[2:])
+        assert (fake.shape, fake.dtype) == (real.shape, real.dtype)
+    torch.library.opcheck(compressor_pool_op, case, test_utils=("test_schema", "test_faketensor"))
+
+
+def test_compiled_compressor_pools_in_one_node(kernels, monkeypatch):
+    """The compressor's `_pool` as a captured step traces it: one node, the eager values;
+    without the kernels, the torch form."""
+    from runtime.layers.attention.deepseek_v4 import DeepseekV4Compressor
+
+    compressor = DeepseekV4Compressor(32, 16, 4, 1e-6, sparse=True)
+    rows, valid = make_case(3, 16, 4, 2)[:2]
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append([str(n.target) for n in gm.graph.nodes if n.op == "call_function"])
+        return gm.forward
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(compressor._pool, backend=record, fullgraph=True)(rows, valid)
+        assert graphs[-1] == ["nextn_cpu.compressor_pool"]
+        compiled = torch.compile(compressor._pool, backend="eager")(rows, valid)
+        assert torch.equal(compiled, compressor._pool(rows, valid))
+        assert_matches(compiled, rows, valid, 16, 4, 2)
+        monkeypatch.setitem(cpu_extension._state, "available", False)
+        torch._dynamo.reset()
+        torch.compile(compressor._pool, backend=record, fullgraph=True)(rows, valid)
+    assert "nextn_cpu.compressor_pool" not in graphs[-1] and len(graphs[-1]) > 5
+
+
+# the Triton kernel (interpreted on CPU, or on a GPU) -------------------------------------
+
+
+def run_triton_cases(cases_path: str, out_path: str) -> None:
+    """Child process: each case through the Triton kernel (on the GPU where there is one)."""
+    from runtime.kernels.triton import compressor_pool as triton_pool
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    outputs = []
+    for rows, valid, dim, ratio, overlap in torch.load(cases_path):
+        got = triton_pool.compressor_pool(rows.to(device), valid.to(device), dim, ratio, overlap)
+        outputs.append(got.cpu())
+    torch.save(outputs, out_path)
+
+
+@pytest.fixture(scope="module")
+def triton_outputs(tmp_path_factory):
+    pytest.importorskip("triton")
+    folder = tmp_path_factory.mktemp("triton_pool")
+    torch.save([make_case(*shape, seed=i) for i, shape in enumerate(SHAPES)], folder / "in.pt")
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
+    if not torch.cuda.is_available():
+        env["TRITON_INTERPRET"] = "1"
+    cmd = [sys.executable, "-m", "tests.unit.test_compressor_pool_op"]
+    cmd += [str(folder / "in.pt"), str(folder / "out.pt")]
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return torch.load(folder / "out.pt")
+
+
+@pytest.mark.parametrize("index", range(len(SHAPES)), ids=[str(s) for s in SHAPES])
+def test_triton_kernel_matches_reference(triton_outputs, index):
+    assert_matches(triton_outputs[index], *make_case(*SHAPES[index], seed=index))
+
+
+@pytest.mark.gpu
+def test_custom_op_on_cuda_takes_the_triton_kernel():
+    rows, valid, dim, ratio, overlap = make_case(9, 64, 4, 2, seed=3)
+    with torch.no_grad():
+        got = compressor_pool(rows.cuda(), valid.cuda(), dim, ratio, overlap)
+    assert_matches(got.cpu(), rows, valid, dim, ratio, overlap)
+
+
+if __name__ == "__main__":
+    run_triton_cases(*sys.argv[1:])
