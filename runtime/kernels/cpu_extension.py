@@ -20,7 +20,9 @@ torch ops the same way):
   pass, eager and in captured steps (`runtime.kernels.rotary`);
 * `compressor_pool` (`csrc/compressor_pool.cpp`): DeepSeek-V4's compressor pooling of a
   block's state rows into one entry, eager and in captured steps
-  (`runtime.kernels.compressor_pool`).
+  (`runtime.kernels.compressor_pool`);
+* `moe_route` (`csrc/moe_route.cpp`): the MoE router's expert selection, its torch body as
+  ATen calls, eager and in captured steps (`runtime.kernels.moe_route`).
 
 `load` builds the extension with `torch.utils.cpp_extension` (about 20 s once per machine,
 then loaded from its build directory) and registers the fakes; the graph runner calls it
@@ -49,7 +51,9 @@ from runtime.kernels import dense_product
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = (CSRC / "nextn_cpu.cpp", CSRC / "rotary.cpp", CSRC / "compressor_pool.cpp")
+SOURCES = tuple(
+    CSRC / name for name in ("nextn_cpu.cpp", "rotary.cpp", "compressor_pool.cpp", "moe_route.cpp")
+)
 DISABLE_ENV = "NEXTN_DISABLE_CPU_KERNELS"
 # the instruction sets the kernels are built for, by what this torch build dispatches to
 ISA_FLAGS = {
@@ -155,6 +159,7 @@ def _build(cache_dir: Path | str | None) -> None:
     torch.library.register_fake("nextn_cpu::dense_grouped_product")(_dense_grouped_product_fake)
     torch.library.register_fake("nextn_cpu::rotary")(_rotary_fake)
     torch.library.register_fake("nextn_cpu::compressor_pool")(_compressor_pool_fake)
+    torch.library.register_fake("nextn_cpu::moe_route")(_moe_route_fake)
 
 
 def wait_for_build_lock(
@@ -217,6 +222,12 @@ def _rotary_fake(x, cos, sin, lo, interleaved, inverse):
 
 def _compressor_pool_fake(rows, valid, dim, ratio, overlap):
     return rows.new_empty((rows.shape[0], dim))
+
+
+def _moe_route_fake(logits, bias, hash_ids, top_k, scoring, renormalize, scale):
+    from runtime.kernels.moe_route import route_fake
+
+    return route_fake(logits, hash_ids, top_k)
 
 
 def _rms_norm_fake(x, weight, eps):
