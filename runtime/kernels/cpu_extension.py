@@ -21,6 +21,9 @@ torch ops the same way):
 * `compressor_pool` (`csrc/compressor_pool.cpp`): DeepSeek-V4's compressor pooling of a
   block's state rows into one entry, eager and in captured steps
   (`runtime.kernels.compressor_pool`);
+* `compressor_rows` (`csrc/compressor_rows.cpp`): DeepSeek-V4's compressor state rows
+  `[kv | gate + ape]` in one pass, eager and in captured steps
+  (`runtime.kernels.compressor_rows`);
 * `moe_route` (`csrc/moe_route.cpp`): the MoE router's expert selection, its torch body as
   ATen calls, eager and in captured steps (`runtime.kernels.moe_route`).
 
@@ -51,9 +54,7 @@ from runtime.kernels import dense_product
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = tuple(
-    CSRC / name for name in ("nextn_cpu.cpp", "rotary.cpp", "compressor_pool.cpp", "moe_route.cpp")
-)
+SOURCES = tuple(sorted(CSRC.glob("*.cpp")))  # one extension of every source there
 DISABLE_ENV = "NEXTN_DISABLE_CPU_KERNELS"
 # the instruction sets the kernels are built for, by what this torch build dispatches to
 ISA_FLAGS = {
@@ -128,7 +129,7 @@ def _build(cache_dir: Path | str | None) -> None:
     # a build serves one source, flags, torch and Python (a shared cache directory may see
     # several installs; an extension built against another torch must not be loaded)
     built_for = repr((flags, torch.__version__, sys.version)).encode()
-    sources = b"".join(source.read_bytes() for source in SOURCES)
+    sources = b"".join(source.name.encode() + source.read_bytes() for source in SOURCES)
     tag = hashlib.sha256(sources + built_for).hexdigest()[:12]
     name = f"nextn_cpu_{isa.lower()}_{tag}"
     build_dir = None
@@ -160,6 +161,7 @@ def _build(cache_dir: Path | str | None) -> None:
     torch.library.register_fake("nextn_cpu::rotary")(_rotary_fake)
     torch.library.register_fake("nextn_cpu::compressor_pool")(_compressor_pool_fake)
     torch.library.register_fake("nextn_cpu::moe_route")(_moe_route_fake)
+    torch.library.register_fake("nextn_cpu::compressor_rows")(_compressor_rows_fake)
 
 
 def wait_for_build_lock(
@@ -228,6 +230,10 @@ def _moe_route_fake(logits, bias, hash_ids, top_k, scoring, renormalize, scale):
     from runtime.kernels.moe_route import route_fake
 
     return route_fake(logits, hash_ids, top_k)
+
+
+def _compressor_rows_fake(kv_gate, ape, positions):
+    return kv_gate.new_empty(kv_gate.shape, dtype=torch.float32)
 
 
 def _rms_norm_fake(x, weight, eps):

@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
-"""DeepSeek-V4's compressor pooling as a Triton kernel (the CUDA kernel of
+"""DeepSeek-V4's compressor as Triton kernels: its pooling (the CUDA kernel of
 `nextn::compressor_pool`; `runtime.kernels.compressor_pool` defines it and its torch
-reference).
+reference) and its state rows (`nextn::compressor_rows`, `runtime.kernels.compressor_rows`).
 
 One program per entry and block of channels: it loads the block's `L` gate and kv rows of
 those channels as `[L, BLOCK_C]` tiles (for overlap 2 the rows past `ratio` shifted to the
@@ -76,4 +76,31 @@ def compressor_pool(
         L_PAD=triton.next_power_of_2(length),
         BLOCK_C=BLOCK_C,
     )
+    return out
+
+
+@triton.jit
+def _rows_kernel(x_ptr, ape_ptr, pos_ptr, out_ptr, W, ratio, BLOCK: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    d = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = d < W
+    slot = tl.load(pos_ptr + t) % ratio
+    slot = tl.where(slot < 0, slot + ratio, slot)  # Python's modulo, as the torch form's
+    kv = tl.load(x_ptr + t * 2 * W + d, mask=m).to(tl.float32)
+    gate = tl.load(x_ptr + t * 2 * W + W + d, mask=m).to(tl.float32)
+    bias = tl.load(ape_ptr + slot * W + d, mask=m)
+    tl.store(out_ptr + t * 2 * W + d, kv, mask=m)
+    tl.store(out_ptr + t * 2 * W + W + d, gate + bias, mask=m)
+
+
+def compressor_rows(kv_gate: torch.Tensor, ape: torch.Tensor, positions: torch.Tensor):
+    """The CUDA kernel of `nextn::compressor_rows`: one program per row and block of
+    channels, `[kv | gate + ape[position mod ratio]]` in fp32."""
+    kv_gate, ape, positions = kv_gate.contiguous(), ape.contiguous(), positions.contiguous()
+    tokens, width = kv_gate.shape[0], ape.shape[1]
+    out = torch.empty((tokens, 2 * width), dtype=torch.float32, device=kv_gate.device)
+    if out.numel() == 0:
+        return out
+    grid = (tokens, triton.cdiv(width, BLOCK_C))
+    _rows_kernel[grid](kv_gate, ape, positions, out, width, ape.shape[0], BLOCK=BLOCK_C)
     return out

@@ -36,6 +36,7 @@ from runtime.cache.deepseek_v4_pool import DeepseekV4KVPool
 from runtime.core.forward_context import ForwardContext
 from runtime.distributed import ParallelGroup
 from runtime.kernels import compressor_pool as pool_kernel
+from runtime.kernels import compressor_rows as rows_kernel
 from runtime.kernels.indexer_topk import indexer_topk
 from runtime.kernels.row_gather import take_rows
 from runtime.kernels.sink_attention import (
@@ -102,8 +103,10 @@ class DeepseekV4Compressor(nn.Module):
 
     def state_rows(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Each row's `[kv | gate + ape]` state (fp32)."""
-        kv, gate = self.fused_wkv_wgate(x).float().chunk(2, dim=-1)
-        return torch.cat([kv, gate + self.ape[positions % self.ratio]], dim=-1)
+        kv_gate = self.fused_wkv_wgate(x)
+        if rows_kernel.uses_kernel(kv_gate, self.ape, positions):
+            return rows_kernel.compressor_rows(kv_gate, self.ape, positions)
+        return rows_kernel.compressor_rows_reference(kv_gate, self.ape, positions)
 
     def make_entries(
         self,

@@ -1,5 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
-"""DeepSeek-V4's compressor pooling as one operator (`runtime.kernels.compressor_pool`): the
+"""DeepSeek-V4's compressor as one operator each for its state rows
+(`runtime.kernels.compressor_rows`, equal to the reference bit for bit) and its pooling
+(`runtime.kernels.compressor_pool`): the
 C++ kernel `nextn_cpu::compressor_pool` and the Triton kernel of `nextn::compressor_pool`
 (on CPU tensors through Triton's interpreter, in a child process: `TRITON_INTERPRET` must
 be set before the kernel is defined; or on a GPU where there is one) against the torch
@@ -27,6 +29,11 @@ from runtime.kernels.compressor_pool import (
     compressor_pool_op,
     compressor_pool_reference,
 )
+from runtime.kernels.compressor_rows import (
+    compressor_rows,
+    compressor_rows_op,
+    compressor_rows_reference,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 # (entries, dim, ratio, overlap)
@@ -40,6 +47,26 @@ def make_case(entries, dim, ratio, overlap, seed=0):
     valid = torch.rand(entries, length, generator=g) > 0.3
     valid[:, -1] = True  # every block has a row (the all-masked case is its own test)
     return rows, valid, dim, ratio, overlap
+
+
+# (tokens, W, ratio, dtype)
+ROW_SHAPES = [(1, 16, 4, torch.float32), (7, 33, 4, torch.bfloat16), (5, 70, 128, torch.float16)]
+
+
+def make_rows_case(tokens, width, ratio, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    kv_gate = torch.randn(tokens, 2 * width, generator=g).to(dtype)
+    ape = torch.randn(ratio, width, generator=g)
+    positions = torch.randint(0, 10000, (tokens,), generator=g)
+    return kv_gate, ape, positions
+
+
+def test_state_rows_reference_is_kv_then_gate_plus_its_slot():
+    kv_gate, ape, positions = make_rows_case(5, 6, 4, torch.float32)
+    got = compressor_rows_reference(kv_gate, ape, positions)
+    for t in range(5):
+        expected = torch.cat([kv_gate[t, :6], kv_gate[t, 6:] + ape[int(positions[t]) % 4]])
+        assert torch.equal(got[t], expected)
 
 
 def assert_matches(got, rows, valid, dim, ratio, overlap):
@@ -79,6 +106,21 @@ def test_cpu_kernel_matches_reference(kernels, shape):
     assert_matches(got, *case)
 
 
+@pytest.mark.parametrize("shape", ROW_SHAPES, ids=str)
+def test_cpu_state_rows_kernel_equals_reference(kernels, shape):
+    case = make_rows_case(*shape, seed=shape[0])
+    with torch.no_grad():
+        got = torch.ops.nextn_cpu.compressor_rows(*case)
+    assert torch.equal(got, compressor_rows_reference(*case))
+    kv_gate, ape, positions = case
+    empty = torch.ops.nextn_cpu.compressor_rows(kv_gate[:0], ape, positions[:0])
+    assert empty.shape == (0, kv_gate.shape[1])
+    with pytest.raises(RuntimeError, match="compressor_rows"):
+        torch.ops.nextn_cpu.compressor_rows(kv_gate[:, 1:], ape, positions)
+    with pytest.raises(RuntimeError, match="compressor_rows"):
+        torch.ops.nextn_cpu.compressor_rows(kv_gate, ape, positions.int())
+
+
 def test_cpu_kernel_of_a_block_with_no_valid_row_is_nan_as_torch(kernels):
     rows, valid, dim, ratio, overlap = make_case(2, 8, 4, 1)
     valid[0] = False
@@ -110,6 +152,15 @@ def test_fakes_give_the_real_shapes(kernels):
             fake = op(mode.from_tensor(case[0]), mode.from_tensor(case[1]), *case[2:])
         assert (fake.shape, fake.dtype) == (real.shape, real.dtype)
     torch.library.opcheck(compressor_pool_op, case, test_utils=("test_schema", "test_faketensor"))
+    rows_case = make_rows_case(3, 8, 4, torch.bfloat16)
+    for op in (torch.ops.nextn_cpu.compressor_rows.default, compressor_rows_op):
+        real = op(*rows_case)
+        with FakeTensorMode() as mode:
+            fake = op(*[mode.from_tensor(a) for a in rows_case])
+        assert (fake.shape, fake.dtype) == (real.shape, real.dtype)
+    torch.library.opcheck(
+        compressor_rows_op, rows_case, test_utils=("test_schema", "test_faketensor")
+    )
 
 
 def test_compiled_compressor_pools_in_one_node(kernels, monkeypatch):
@@ -118,7 +169,10 @@ def test_compiled_compressor_pools_in_one_node(kernels, monkeypatch):
     from runtime.layers.attention.deepseek_v4 import DeepseekV4Compressor
 
     compressor = DeepseekV4Compressor(32, 16, 4, 1e-6, sparse=True)
+    with torch.no_grad():
+        compressor.ape.copy_(torch.randn(4, 32))
     rows, valid = make_case(3, 16, 4, 2)[:2]
+    x, positions = torch.randn(3, 32), torch.tensor([0, 5, 11])
     graphs = []
 
     def record(gm, example_inputs):
@@ -132,6 +186,11 @@ def test_compiled_compressor_pools_in_one_node(kernels, monkeypatch):
         compiled = torch.compile(compressor._pool, backend="eager")(rows, valid)
         assert torch.equal(compiled, compressor._pool(rows, valid))
         assert_matches(compiled, rows, valid, 16, 4, 2)
+        torch.compile(compressor.state_rows, backend=record, fullgraph=True)(x, positions)
+        assert graphs[-1][-1] == "nextn_cpu.compressor_rows" and "cat" not in str(graphs[-1])
+        kv_gate = compressor.fused_wkv_wgate(x)
+        expected = compressor_rows_reference(kv_gate, compressor.ape, positions)
+        assert torch.equal(compressor.state_rows(x, positions), expected)
         monkeypatch.setitem(cpu_extension._state, "available", False)
         torch._dynamo.reset()
         torch.compile(compressor._pool, backend=record, fullgraph=True)(rows, valid)
@@ -146,25 +205,30 @@ def run_triton_cases(cases_path: str, out_path: str) -> None:
     from runtime.kernels.triton import compressor_pool as triton_pool
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    outputs = []
-    for rows, valid, dim, ratio, overlap in torch.load(cases_path):
+    pool_cases, row_cases = torch.load(cases_path)
+    pooled, rows_out = [], []
+    for rows, valid, dim, ratio, overlap in pool_cases:
         got = triton_pool.compressor_pool(rows.to(device), valid.to(device), dim, ratio, overlap)
-        outputs.append(got.cpu())
-    torch.save(outputs, out_path)
+        pooled.append(got.cpu())
+    for case in row_cases:
+        rows_out.append(triton_pool.compressor_rows(*[a.to(device) for a in case]).cpu())
+    torch.save((pooled, rows_out), out_path)
 
 
 @pytest.fixture(scope="module")
 def triton_outputs(tmp_path_factory):
     pytest.importorskip("triton")
     folder = tmp_path_factory.mktemp("triton_pool")
-    torch.save([make_case(*shape, seed=i) for i, shape in enumerate(SHAPES)], folder / "in.pt")
+    pool_cases = [make_case(*shape, seed=i) for i, shape in enumerate(SHAPES)]
+    row_cases = [make_rows_case(*shape, seed=i) for i, shape in enumerate(ROW_SHAPES)]
+    torch.save((pool_cases, row_cases), folder / "in.pt")
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
     }
     if not torch.cuda.is_available():
         env["TRITON_INTERPRET"] = "1"
-    cmd = [sys.executable, "-m", "tests.unit.test_compressor_pool_op"]
+    cmd = [sys.executable, "-m", "tests.unit.test_compressor_ops"]
     cmd += [str(folder / "in.pt"), str(folder / "out.pt")]
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
@@ -173,7 +237,13 @@ def triton_outputs(tmp_path_factory):
 
 @pytest.mark.parametrize("index", range(len(SHAPES)), ids=[str(s) for s in SHAPES])
 def test_triton_kernel_matches_reference(triton_outputs, index):
-    assert_matches(triton_outputs[index], *make_case(*SHAPES[index], seed=index))
+    assert_matches(triton_outputs[0][index], *make_case(*SHAPES[index], seed=index))
+
+
+@pytest.mark.parametrize("index", range(len(ROW_SHAPES)), ids=[str(s) for s in ROW_SHAPES])
+def test_triton_state_rows_kernel_equals_reference(triton_outputs, index):
+    case = make_rows_case(*ROW_SHAPES[index], seed=index)
+    assert torch.equal(triton_outputs[1][index], compressor_rows_reference(*case))
 
 
 @pytest.mark.gpu
@@ -182,6 +252,10 @@ def test_custom_op_on_cuda_takes_the_triton_kernel():
     with torch.no_grad():
         got = compressor_pool(rows.cuda(), valid.cuda(), dim, ratio, overlap)
     assert_matches(got.cpu(), rows, valid, dim, ratio, overlap)
+    kv_gate, ape, positions = make_rows_case(9, 64, 4, torch.bfloat16)
+    with torch.no_grad():
+        state = compressor_rows(kv_gate.cuda(), ape.cuda(), positions.cuda())
+    assert torch.equal(state.cpu(), compressor_rows_reference(kv_gate, ape, positions))
 
 
 if __name__ == "__main__":
