@@ -21,6 +21,8 @@ torch ops the same way):
 * `compressor_pool` (`csrc/compressor_pool.cpp`): DeepSeek-V4's compressor pooling of a
   block's state rows into one entry, eager and in captured steps
   (`runtime.kernels.compressor_pool`);
+* `compressor_entries` (`csrc/compressor_entries.cpp`): the pooling, RMSNorm, rotary table
+  and rotation of the compressor's entries in one call (`runtime.kernels.compressor_entries`);
 * `compressor_rows` (`csrc/compressor_rows.cpp`): DeepSeek-V4's compressor state rows
   `[kv | gate + ape]` in one pass, eager and in captured steps
   (`runtime.kernels.compressor_rows`);
@@ -162,6 +164,7 @@ def _build(cache_dir: Path | str | None) -> None:
     torch.library.register_fake("nextn_cpu::compressor_pool")(_compressor_pool_fake)
     torch.library.register_fake("nextn_cpu::moe_route")(_moe_route_fake)
     torch.library.register_fake("nextn_cpu::compressor_rows")(_compressor_rows_fake)
+    torch.library.register_fake("nextn_cpu::compressor_entries")(_compressor_entries_fake)
 
 
 def wait_for_build_lock(
@@ -234,6 +237,10 @@ def _moe_route_fake(logits, bias, hash_ids, top_k, scoring, renormalize, scale):
 
 def _compressor_rows_fake(kv_gate, ape, positions):
     return kv_gate.new_empty(kv_gate.shape, dtype=torch.float32)
+
+
+def _compressor_entries_fake(rows, valid, weight, eps, pos, inv_freq, scaling, dim, *rest):
+    return rows.new_empty((rows.shape[0], dim))
 
 
 def _rms_norm_fake(x, weight, eps):

@@ -24,6 +24,11 @@ import torch
 
 from runtime.configs.capture import default_cache_dir
 from runtime.kernels import cpu_extension
+from runtime.kernels.compressor_entries import (
+    compressor_entries,
+    compressor_entries_op,
+    compressor_entries_reference,
+)
 from runtime.kernels.compressor_pool import (
     compressor_pool,
     compressor_pool_op,
@@ -197,6 +202,90 @@ def test_compiled_compressor_pools_in_one_node(kernels, monkeypatch):
     assert "nextn_cpu.compressor_pool" not in graphs[-1] and len(graphs[-1]) > 5
 
 
+def make_entries_case(entries=5, dim=32, ratio=4, overlap=2, rd=16, seed=0):
+    """The arguments of `compressor_entries`: state rows, a norm weight, positions and a
+    rotary table of the trailing `rd` channels (interleaved pairs, DeepSeek-V4's)."""
+    rows, valid, *_ = make_case(entries, dim, ratio, overlap, seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    weight = torch.rand(dim, generator=g) + 0.5
+    positions = torch.randint(0, 9000, (entries,), generator=g)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, rd, 2).float() / rd))
+    return (
+        rows,
+        valid,
+        weight,
+        1e-6,
+        positions,
+        inv_freq,
+        1.2,
+        dim,
+        ratio,
+        overlap,
+        dim - rd,
+        True,
+    )
+
+
+@pytest.mark.parametrize("overlap", [1, 2])
+def test_cpu_entries_are_the_steps_one_by_one(kernels, overlap):
+    """`nextn_cpu::compressor_entries` equals the pooling, norm and rotation kernels called
+    in turn (bit for bit) and the torch reference (within the kernels' ulps)."""
+    args = make_entries_case(overlap=overlap, seed=overlap)
+    rows, valid, weight, eps, positions, inv_freq, scaling, dim, ratio, _, lo, inter = args
+    with torch.no_grad():
+        got = torch.ops.nextn_cpu.compressor_entries(*args)
+        pooled = torch.ops.nextn_cpu.compressor_pool(rows, valid, dim, ratio, overlap)
+        normed = torch.ops.nextn_cpu.rms_norm(pooled, weight, eps)
+        freqs = positions.float().unsqueeze(-1) * inv_freq
+        cos, sin = freqs.cos() * scaling, freqs.sin() * scaling
+        steps = torch.ops.nextn_cpu.rotary(normed, cos, sin, lo, inter, False)
+    assert torch.equal(got, steps)
+    torch.testing.assert_close(got, compressor_entries_reference(*args), rtol=1e-5, atol=1e-5)
+    fake = fake_entries(torch.ops.nextn_cpu.compressor_entries.default, args)
+    assert (fake.shape, fake.dtype) == (got.shape, got.dtype)
+    assert fake_entries(compressor_entries_op, args).shape == got.shape
+    torch.library.opcheck(
+        compressor_entries_op, args, test_utils=("test_schema", "test_faketensor")
+    )
+
+
+def fake_entries(op, args):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode() as mode:
+        return op(*[mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args])
+
+
+def test_compiled_make_entries_is_one_node(kernels, monkeypatch):
+    """The compressor's `make_entries` (pool, norm, rotary table, rotation) as a captured
+    step traces it: one node, with the values of the kernels one by one (the layer's path
+    without the fused operator)."""
+    from runtime.layers.attention.deepseek_v4 import DeepseekV4Compressor
+    from runtime.layers.rotary import RotaryEmbedding
+
+    compressor = DeepseekV4Compressor(32, 32, 4, 1e-6, sparse=True)
+    with torch.no_grad():
+        compressor.norm.weight.copy_(torch.rand(32) + 0.5)
+    rope = RotaryEmbedding(16, {"rope_theta": 10000.0}, interleaved=True, rotate_tail=True)
+    rows, valid, *_ = make_case(3, 32, 4, 2, seed=7)
+    positions = torch.tensor([0, 8, 4096])
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append([str(n.target) for n in gm.graph.nodes if n.op == "call_function"])
+        return gm.forward
+
+    def entries(rows, valid, positions):
+        return compressor.make_entries(rows, valid, positions, rope, torch.float32)
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        fused = torch.compile(entries, backend=record, fullgraph=True)(rows, valid, positions)
+        assert graphs[-1] == ["nextn_cpu.compressor_entries"], graphs[-1]
+        monkeypatch.setattr("runtime.kernels.compressor_entries.uses_kernel", lambda *a: False)
+        assert torch.equal(fused, entries(rows, valid, positions))  # the kernels one by one
+
+
 # the Triton kernel (interpreted on CPU, or on a GPU) -------------------------------------
 
 
@@ -256,6 +345,12 @@ def test_custom_op_on_cuda_takes_the_triton_kernel():
     with torch.no_grad():
         state = compressor_rows(kv_gate.cuda(), ape.cuda(), positions.cuda())
     assert torch.equal(state.cpu(), compressor_rows_reference(kv_gate, ape, positions))
+    args = make_entries_case(entries=9, dim=64, rd=32, seed=5)
+    on = [a.cuda() if isinstance(a, torch.Tensor) else a for a in args]
+    with torch.no_grad():
+        got = compressor_entries(*on)
+    expected = compressor_entries_reference(*args)
+    torch.testing.assert_close(got.cpu(), expected, rtol=1e-5, atol=1e-5)
 
 
 if __name__ == "__main__":

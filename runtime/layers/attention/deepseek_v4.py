@@ -35,6 +35,7 @@ from runtime.cache.deepseek_v4_metadata import (
 from runtime.cache.deepseek_v4_pool import DeepseekV4KVPool
 from runtime.core.forward_context import ForwardContext
 from runtime.distributed import ParallelGroup
+from runtime.kernels import compressor_entries as entries_kernel
 from runtime.kernels import compressor_pool as pool_kernel
 from runtime.kernels import compressor_rows as rows_kernel
 from runtime.kernels.indexer_topk import indexer_topk
@@ -117,6 +118,22 @@ class DeepseekV4Compressor(nn.Module):
         dtype: torch.dtype,
     ) -> torch.Tensor:
         """Pooled, normed and rotated entries from their blocks' state rows."""
+        if dtype == torch.float32 and entries_kernel.uses_kernel(rows, valid, entry_pos):
+            rd = rope.rotary_dim
+            return entries_kernel.compressor_entries(
+                rows,
+                valid,
+                self.norm.weight,
+                self.norm.eps,
+                entry_pos,
+                rope.inv_freq,
+                rope.attention_scaling,
+                self.dim,
+                self.ratio,
+                self.overlap,
+                self.dim - rd if rope.rotate_tail else 0,
+                rope.interleaved,
+            )
         entries = self.norm(self._pool(rows, valid).to(dtype))
         cos, sin = rope.cos_sin(entry_pos)
         return rope.apply(entries, cos, sin)
