@@ -29,11 +29,11 @@ def swiglu_reference(gate: torch.Tensor, up: torch.Tensor, limit: float | None) 
 
 
 def uses_kernel(gate: torch.Tensor, up: torch.Tensor) -> bool:
-    """Whether `swiglu` takes the kernel: fp32 `[P, I]` halves whose rows are contiguous,
+    """Whether `swiglu` takes the kernel: fp32 `[..., P, I]` halves whose rows are contiguous,
     where the kernels serve them (`cpu_extension.serves`: CPU, no grad, loaded), eagerly and
     in captured steps."""
     return (
-        gate.dim() == 2
+        gate.dim() >= 2
         and gate.shape == up.shape
         and gate.dtype == up.dtype == torch.float32
         and gate.stride(-1) == up.stride(-1) == 1
@@ -44,5 +44,8 @@ def uses_kernel(gate: torch.Tensor, up: torch.Tensor) -> bool:
 def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float | None) -> torch.Tensor:
     """`swiglu_reference`, by the kernel where `uses_kernel` allows."""
     if uses_kernel(gate, up):
-        return torch.ops.nextn_cpu.swiglu(gate, up, limit)
+        if gate.dim() == 2:
+            return torch.ops.nextn_cpu.swiglu(gate, up, limit)
+        rows = (gate.flatten(0, -2), up.flatten(0, -2))  # views where the layout allows
+        return torch.ops.nextn_cpu.swiglu(*rows, limit).view(gate.shape)
     return swiglu_reference(gate, up, limit)

@@ -137,3 +137,22 @@ def test_custom_op_on_cuda_equals_the_reference():
         weights, ids = moe_route(*args)
         expected = moe_route_reference(*args)
     assert torch.equal(weights, expected[0]) and torch.equal(ids, expected[1])
+
+
+def test_swiglu_of_per_pair_halves_takes_the_kernel(kernels):
+    """The routed experts' `[P, 1, 2 I]` products split into halves: one kernel node in a
+    compiled step, the reference's values (the kernel's exponential within an ulp or two)."""
+    from runtime.kernels.swiglu import swiglu, swiglu_reference
+
+    gate_up = torch.randn(6, 1, 40) * 4
+
+    def step(gate_up):
+        return swiglu(*gate_up.split(20, dim=-1), 5.0)
+
+    targets = [t for t in traced_targets(step, gate_up) if "getitem" not in t]  # split's
+    assert targets == ["nextn_cpu.swiglu"]
+    with torch.no_grad():
+        got = step(gate_up)
+    assert got.shape == (6, 1, 20)
+    expected = swiglu_reference(*gate_up.split(20, dim=-1), 5.0)
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
