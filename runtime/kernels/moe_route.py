@@ -90,7 +90,8 @@ def moe_route_op(
     weights, ids = moe_route_reference(
         logits, bias, hash_ids, top_k, scoring_func, renormalize, scale
     )
-    return weights.contiguous(), ids.contiguous()
+    # never the hash table's ids themselves (an op's output may not alias its input)
+    return weights.contiguous(), ids.clone(memory_format=torch.contiguous_format)
 
 
 @moe_route_op.register_fake

@@ -69,6 +69,16 @@ def test_cpu_kernel_equals_reference(kernels, scoring, source, renormalize, dtyp
     assert (weights.dtype, ids.dtype) == (torch.float32, torch.long)
 
 
+def test_outputs_never_alias_the_hash_ids(kernels):
+    """int64 hash ids come back as a new tensor (a compiled step assumes an op's outputs
+    are not its inputs)."""
+    logits, _, table = make_logits()
+    table = table.long()
+    for op in (torch.ops.nextn_cpu.moe_route, moe_route_op):
+        _, ids = op(logits, None, table, 3, "sqrtsoftplus", True, 1.0)
+        assert torch.equal(ids, table) and ids.data_ptr() != table.data_ptr()
+
+
 def test_cpu_kernel_rejects_an_unknown_scoring_function(kernels):
     logits, _, _ = make_logits()
     with pytest.raises(RuntimeError, match="moe_route"):

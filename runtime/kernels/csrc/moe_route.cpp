@@ -30,7 +30,9 @@ std::tuple<at::Tensor, at::Tensor> moe_route(const at::Tensor& logits,
   }
   at::Tensor ids;
   if (hash_ids.has_value()) {
-    ids = hash_ids->to(at::kLong);
+    // a new tensor even where the ids are int64 already (an op's output may not alias its
+    // input: a compiled step would reuse the buffers as if they were distinct)
+    ids = hash_ids->scalar_type() == at::kLong ? hash_ids->clone() : hash_ids->to(at::kLong);
   } else {
     const at::Tensor ranked = bias.has_value() ? scores + bias->to(at::kFloat) : scores;
     ids = std::get<1>(at::topk(ranked, top_k, -1, true, false));
