@@ -230,9 +230,8 @@ def _compressor_pool_fake(rows, valid, dim, ratio, overlap):
 
 
 def _moe_route_fake(logits, bias, hash_ids, top_k, scoring, renormalize, scale):
-    from runtime.kernels.moe_route import route_fake
-
-    return route_fake(logits, hash_ids, top_k)
+    shape = (logits.shape[0], top_k if hash_ids is None else hash_ids.shape[1])
+    return logits.new_empty(shape, dtype=torch.float32), logits.new_empty(shape, dtype=torch.long)
 
 
 def _compressor_rows_fake(kv_gate, ape, positions):
