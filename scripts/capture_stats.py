@@ -3,20 +3,24 @@
 
     python -m scripts.capture_stats --batch-size 1 16                  # operators per step
     python -m scripts.capture_stats --batch-size 1 16 --compile-times   # + compile seconds
+    python -m scripts.capture_stats --batch-size 1 --by-block           # + where they come from
 
 Operators are counted by `torch._dynamo.explain` on the step exactly as the graph runner
 runs it (the batch padded into its bucket): the target's decode and verify steps and the
-MTP draft's extend over verified rows and chained step. `--compile-times` builds an engine
-with capture per batch size in a fresh process, first on an empty compile cache (a first
-start) and then on the cache that run left (a second start), and prints the seconds each
-captured step took to compile.
+MTP draft's extend over verified rows and chained step. `--by-block` adds, per step, its
+operators grouped by the project function that called them (the innermost `runtime/` frame
+of each node's stack). `--compile-times` builds an engine with capture per batch size in a
+fresh process, first on an empty compile cache (a first start) and then on the cache that
+run left (a second start), and prints the seconds each captured step took to compile.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -37,6 +41,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--speculative-num-steps", type=int, default=STEPS)
     p.add_argument("--compile-times", action="store_true", help="also measure compile seconds")
     p.add_argument("--nextn", action="store_true", help="compile times of the NEXTN steps too")
+    p.add_argument(
+        "--by-block", action="store_true", help="operators per calling function of each step"
+    )
     p.add_argument("--compile-one", type=int, help=argparse.SUPPRESS)  # child process mode
     return p.parse_args(argv)
 
@@ -91,12 +98,16 @@ def operator_counts(args) -> None:
             e.step()  # a decode step or a NEXTN round
             for (model, mode, rows, chained), (runner, inp) in sorted(seen.items()):
                 what = f"{model} {mode}{' (chained)' if chained else ''} {rows} row(s)/request"
-                ops = count(runner, inp)
-                if ops is not None:
+                counted = count(runner, inp)
+                if counted is not None:
+                    ops, graph = counted
                     print(f"bs {bs}: {what}: {ops} operators, one graph")
+                    if args.by_block:
+                        for block, n in by_block(graph).most_common():
+                            print(f"    {n:5d}  {block}")
 
 
-def count(runner, inp) -> int | None:
+def count(runner, inp) -> tuple[int, torch.fx.GraphModule] | None:
     from runtime.configs.capture import CaptureConfig
     from runtime.execution.graph_runner import GraphRunner
 
@@ -115,7 +126,21 @@ def count(runner, inp) -> int | None:
         explanation = torch._dynamo.explain(step)(ctx, ids, hidden)
     breaks = (explanation.graph_count, explanation.graph_break_count)
     assert breaks == (1, 0), explanation.break_reasons
-    return explanation.op_count
+    return explanation.op_count, explanation.graphs[0]
+
+
+def by_block(graph: torch.fx.GraphModule) -> collections.Counter:
+    """The graph's operators (`call_function` nodes, as `op_count` counts them) by the
+    innermost project function in each node's stack (`file:function` under runtime/)."""
+    blocks = collections.Counter()
+    for node in graph.graph.nodes:
+        if node.op != "call_function":
+            continue
+        frames = re.findall(
+            r'File "[^"]*/runtime/([^"]+)", line \d+, in (\w+)', node.meta.get("stack_trace") or ""
+        )
+        blocks[":".join(frames[-1]) if frames else "(outside runtime/)"] += 1
+    return blocks
 
 
 def compile_one(args) -> None:

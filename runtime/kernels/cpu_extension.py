@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The project's C++ CPU kernels (`csrc/nextn_cpu.cpp`), built on first use.
+"""The project's C++ CPU kernels (`csrc/*.cpp`, one extension), built on first use.
 
 Operators under the `nextn_cpu` namespace, each with a fake implementation so a
 compiled step holds it as one opaque node, which inductor's C++ wrapper calls through the
@@ -17,7 +17,19 @@ torch ops the same way):
   captured steps too (`runtime.kernels.hc_pre`, `runtime.kernels.stream_expand`,
   `runtime.kernels.sinkhorn`);
 * `fp8_block_linear`, `quantized_grouped_product` (`csrc/quant_cpu.cpp`): products with
-  FP8-block / MXFP4 weights kept quantized (`runtime.kernels.quantized_product`).
+  FP8-block / MXFP4 weights kept quantized (`runtime.kernels.quantized_product`);
+* `rotary` (`csrc/rotary.cpp`): rotary position embedding of a slice of each head in one
+  pass, eager and in captured steps (`runtime.kernels.rotary`);
+* `compressor_pool` (`csrc/compressor_pool.cpp`): DeepSeek-V4's compressor pooling of a
+  block's state rows into one entry, eager and in captured steps
+  (`runtime.kernels.compressor_pool`);
+* `compressor_entries` (`csrc/compressor_entries.cpp`): the pooling, RMSNorm, rotary table
+  and rotation of the compressor's entries in one call (`runtime.kernels.compressor_entries`);
+* `compressor_rows` (`csrc/compressor_rows.cpp`): DeepSeek-V4's compressor state rows
+  `[kv | gate + ape]` in one pass, eager and in captured steps
+  (`runtime.kernels.compressor_rows`);
+* `moe_route` (`csrc/moe_route.cpp`): the MoE router's expert selection, its torch body as
+  ATen calls, eager and in captured steps (`runtime.kernels.moe_route`).
 
 `load` builds the extension with `torch.utils.cpp_extension` (about 20 s once per machine,
 then loaded from its build directory) and registers the fakes; the graph runner calls it
@@ -45,9 +57,8 @@ from runtime.kernels import dense_product
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).resolve().parent / "csrc" / "nextn_cpu.cpp"
-# further sources of the same extension (operators added with TORCH_LIBRARY_FRAGMENT)
-EXTRA_SOURCES = (Path(__file__).resolve().parent / "csrc" / "quant_cpu.cpp",)
+CSRC = Path(__file__).resolve().parent / "csrc"
+SOURCES = tuple(sorted(CSRC.glob("*.cpp")))  # one extension of every source there
 DISABLE_ENV = "NEXTN_DISABLE_CPU_KERNELS"
 # the instruction sets the kernels are built for, by what this torch build dispatches to
 ISA_FLAGS = {
@@ -122,8 +133,8 @@ def _build(cache_dir: Path | str | None) -> None:
     # a build serves one source, flags, torch and Python (a shared cache directory may see
     # several installs; an extension built against another torch must not be loaded)
     built_for = repr((flags, torch.__version__, sys.version)).encode()
-    sources = (SOURCE, *EXTRA_SOURCES)
-    tag = hashlib.sha256(b"".join(p.read_bytes() for p in sources) + built_for).hexdigest()[:12]
+    sources = b"".join(source.name.encode() + source.read_bytes() for source in SOURCES)
+    tag = hashlib.sha256(sources + built_for).hexdigest()[:12]
     name = f"nextn_cpu_{isa.lower()}_{tag}"
     build_dir = None
     if cache_dir is not None:
@@ -132,7 +143,7 @@ def _build(cache_dir: Path | str | None) -> None:
         wait_for_build_lock(build_dir / "lock")
     cpp_extension.load(
         name=name,
-        sources=[str(p) for p in sources],
+        sources=[str(source) for source in SOURCES],
         extra_cflags=flags,
         build_directory=None if build_dir is None else str(build_dir),
         is_python_module=False,
@@ -153,6 +164,11 @@ def _build(cache_dir: Path | str | None) -> None:
     torch.library.register_fake("nextn_cpu::dense_grouped_product")(_dense_grouped_product_fake)
     torch.library.register_fake("nextn_cpu::fp8_block_linear")(_fp8_block_linear_fake)
     torch.library.register_fake("nextn_cpu::quantized_grouped_product")(_quantized_grouped_fake)
+    torch.library.register_fake("nextn_cpu::rotary")(_rotary_fake)
+    torch.library.register_fake("nextn_cpu::compressor_pool")(_compressor_pool_fake)
+    torch.library.register_fake("nextn_cpu::moe_route")(_moe_route_fake)
+    torch.library.register_fake("nextn_cpu::compressor_rows")(_compressor_rows_fake)
+    torch.library.register_fake("nextn_cpu::compressor_entries")(_compressor_entries_fake)
 
 
 def wait_for_build_lock(
@@ -207,6 +223,27 @@ def _hc_pre_fake(x, fn, scale, base, norm_eps, hc_eps, iters):
         x.new_empty((tokens, streams), dtype=fp32),
         x.new_empty((tokens, streams, streams), dtype=fp32),
     )
+
+
+def _rotary_fake(x, cos, sin, lo, interleaved, inverse):
+    return x.new_empty(x.shape)
+
+
+def _compressor_pool_fake(rows, valid, dim, ratio, overlap):
+    return rows.new_empty((rows.shape[0], dim))
+
+
+def _moe_route_fake(logits, bias, hash_ids, top_k, scoring, renormalize, scale):
+    shape = (logits.shape[0], top_k if hash_ids is None else hash_ids.shape[1])
+    return logits.new_empty(shape, dtype=torch.float32), logits.new_empty(shape, dtype=torch.long)
+
+
+def _compressor_rows_fake(kv_gate, ape, positions):
+    return kv_gate.new_empty(kv_gate.shape, dtype=torch.float32)
+
+
+def _compressor_entries_fake(rows, valid, weight, eps, pos, inv_freq, scaling, dim, *rest):
+    return rows.new_empty((rows.shape[0], dim))
 
 
 def _rms_norm_fake(x, weight, eps):

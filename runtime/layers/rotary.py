@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from runtime.core.capture import compiling
+from runtime.kernels import rotary as rotary_kernel
 
 
 def _yarn_inv_freq(base: float, dim: int, params: dict) -> tuple[torch.Tensor, float]:
@@ -93,27 +94,18 @@ class RotaryEmbedding(nn.Module):
     def apply(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False
     ) -> torch.Tensor:
-        """Rotate `x` of shape `[T, D]` or `[T, heads, D]`; `inverse` undoes the rotation."""
-        if x.dim() == 3:
-            cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        if inverse:
-            sin = -sin
+        """Rotate `x` of shape `[T, D]` or `[T, heads, D]`; `inverse` undoes the rotation.
+        One operator where a kernel serves (`runtime.kernels.rotary`), else the torch
+        form."""
         rd, dim = self.rotary_dim, x.shape[-1]
         lo = dim - rd if self.rotate_tail else 0
+        if rotary_kernel.uses_kernel(x, cos, sin):
+            return rotary_kernel.rotary(x, cos, sin, lo, self.interleaved, inverse)
         if self.interleaved and not compiling():
-            return self._rotate_pairs_eagerly(x, cos, sin, lo)
-        rot = x[..., lo : lo + rd].float()
-        if self.interleaved:
-            x1, x2 = rot[..., 0::2], rot[..., 1::2]
-            out = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
-        else:
-            x1, x2 = rot[..., : rd // 2], rot[..., rd // 2 :]
-            out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-        out = out.to(x.dtype)
-        if rd == dim:
-            return out
-        parts = (x[..., :lo], out) if self.rotate_tail else (out, x[..., rd:])
-        return torch.cat(parts, dim=-1)
+            if x.dim() == 3:
+                cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+            return self._rotate_pairs_eagerly(x, cos, -sin if inverse else sin, lo)
+        return rotary_kernel.rotary_reference(x, cos, sin, lo, self.interleaved, inverse)
 
     def _rotate_pairs_eagerly(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lo: int

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""`nextn_cpu::swiglu` (the clamped SwiGLU of fp32 rows in one pass, eager CPU steps)
+"""`nextn_cpu::swiglu` (the clamped SwiGLU of fp32 rows in one pass, eager and captured)
 against the torch form: with and without DeepSeek-V4's clamp, widths with and without a
 vector tail, the gate and up halves of one `[P, 2I]` product (strided rows), no rows,
 values far past the clamp and exp's range, NaN passing through; and the dispatch, which
@@ -70,7 +70,7 @@ def test_dispatch_keeps_the_torch_form_elsewhere():
     assert leaf.grad is not None
     with torch.inference_mode():
         assert not uses_kernel(gate.bfloat16(), up.bfloat16())
-        assert not uses_kernel(gate.unsqueeze(1), up.unsqueeze(1))
+        assert uses_kernel(gate.unsqueeze(1), up.unsqueeze(1))  # leading dims flattened
         torch.testing.assert_close(
             swiglu(gate.unsqueeze(1), up.unsqueeze(1), 5.0).squeeze(1), swiglu(gate, up, 5.0)
         )

@@ -35,6 +35,9 @@ from runtime.cache.deepseek_v4_metadata import (
 from runtime.cache.deepseek_v4_pool import DeepseekV4KVPool
 from runtime.core.forward_context import ForwardContext
 from runtime.distributed import ParallelGroup
+from runtime.kernels import compressor_entries as entries_kernel
+from runtime.kernels import compressor_pool as pool_kernel
+from runtime.kernels import compressor_rows as rows_kernel
 from runtime.kernels.indexer_topk import indexer_topk
 from runtime.kernels.quantized_product import fp8_linear
 from runtime.kernels.row_gather import take_rows
@@ -103,8 +106,10 @@ class DeepseekV4Compressor(nn.Module):
 
     def state_rows(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Each row's `[kv | gate + ape]` state (fp32)."""
-        kv, gate = self.fused_wkv_wgate(x).float().chunk(2, dim=-1)
-        return torch.cat([kv, gate + self.ape[positions % self.ratio]], dim=-1)
+        kv_gate = self.fused_wkv_wgate(x)
+        if rows_kernel.uses_kernel(kv_gate, self.ape, positions):
+            return rows_kernel.compressor_rows(kv_gate, self.ape, positions)
+        return rows_kernel.compressor_rows_reference(kv_gate, self.ape, positions)
 
     def make_entries(
         self,
@@ -115,6 +120,22 @@ class DeepseekV4Compressor(nn.Module):
         dtype: torch.dtype,
     ) -> torch.Tensor:
         """Pooled, normed and rotated entries from their blocks' state rows."""
+        if dtype == torch.float32 and entries_kernel.uses_kernel(rows, valid, entry_pos):
+            rd = rope.rotary_dim
+            return entries_kernel.compressor_entries(
+                rows,
+                valid,
+                self.norm.weight,
+                self.norm.eps,
+                entry_pos,
+                rope.inv_freq,
+                rope.attention_scaling,
+                self.dim,
+                self.ratio,
+                self.overlap,
+                self.dim - rd if rope.rotate_tail else 0,
+                rope.interleaved,
+            )
         entries = self.norm(self._pool(rows, valid).to(dtype))
         cos, sin = rope.cos_sin(entry_pos)
         return rope.apply(entries, cos, sin)
@@ -158,6 +179,8 @@ class DeepseekV4Compressor(nn.Module):
     def _pool(self, rows: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         """`rows [B, overlap*ratio, 2*overlap*dim]` -> entries `[B, dim]` (fp32)."""
         width, d, r = self.overlap * self.dim, self.dim, self.ratio
+        if pool_kernel.uses_kernel(rows, valid):
+            return pool_kernel.compressor_pool(rows, valid, d, r, self.overlap)
         kv, gate = rows[..., :width], rows[..., width:]
         if self.overlap == 2:
             kv = torch.cat([kv[:, :r, :d], kv[:, r:, d:]], dim=1)

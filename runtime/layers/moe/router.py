@@ -4,25 +4,17 @@
 scores = score_fn(router_logits); the selection ranks `scores + correction_bias` (the bias
 steers load balance and never weighs an output), or is fixed by a hash table of token ids;
 the selected scores are renormalised to sum to one and scaled by `routed_scaling_factor`.
+One operator where `runtime.kernels.moe_route` serves, else its torch reference.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
+from runtime.kernels import moe_route as route_kernel
+from runtime.kernels.moe_route import score_experts
 
-def score_experts(router_logits: torch.Tensor, scoring_func: str) -> torch.Tensor:
-    logits = router_logits.float()
-    if scoring_func == "sqrtsoftplus":
-        return F.softplus(logits).sqrt()
-    if scoring_func == "sigmoid":
-        return logits.sigmoid()
-    if scoring_func == "softmax":
-        return logits.softmax(dim=-1)
-    raise ValueError(
-        f"unsupported MoE scoring_func {scoring_func!r}; supported: sqrtsoftplus, sigmoid, softmax"
-    )
+__all__ = ["score_experts", "select_experts"]
 
 
 def select_experts(
@@ -38,13 +30,15 @@ def select_experts(
 
     `hash_expert_ids [T, k]` (from `tid2eid[input_ids]`) replaces the learned selection.
     """
-    scores = score_experts(router_logits, scoring_func)
-    if hash_expert_ids is not None:
-        ids = hash_expert_ids.long()
-    else:
-        ranked = scores if correction_bias is None else scores + correction_bias.float()
-        ids = torch.topk(ranked, top_k, dim=-1, sorted=False).indices
-    weights = scores.gather(1, ids)
-    if renormalize:
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-    return weights * routed_scaling_factor, ids
+    args = (
+        router_logits,
+        correction_bias,
+        hash_expert_ids,
+        top_k,
+        scoring_func,
+        renormalize,
+        routed_scaling_factor,
+    )
+    if route_kernel.uses_kernel(router_logits, scoring_func):
+        return route_kernel.moe_route(*args)
+    return route_kernel.moe_route_reference(*args)
