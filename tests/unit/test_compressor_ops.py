@@ -174,8 +174,9 @@ def test_compiled_compressor_pools_in_one_node(kernels, monkeypatch):
     from runtime.layers.attention.deepseek_v4 import DeepseekV4Compressor
 
     compressor = DeepseekV4Compressor(32, 16, 4, 1e-6, sparse=True)
-    with torch.no_grad():
-        compressor.ape.copy_(torch.randn(4, 32))
+    with torch.no_grad():  # parameters start as torch.empty: NaN garbage would fail equality
+        for parameter in compressor.parameters():
+            parameter.copy_(torch.randn_like(parameter))
     rows, valid = make_case(3, 16, 4, 2)[:2]
     x, positions = torch.randn(3, 32), torch.tensor([0, 5, 11])
     graphs = []
