@@ -24,7 +24,7 @@ def engine_with(target: dict[str, str], draft: dict[str, str]):
     drafter = SimpleNamespace(runner=SimpleNamespace(graph_runner=Steps(draft)))
     return SimpleNamespace(
         runner=SimpleNamespace(graph_runner=Steps(target)),
-        worker=SimpleNamespace(drafter=drafter),
+        worker=SimpleNamespace(speculation=SimpleNamespace(drafter=drafter)),
     )
 
 
@@ -36,7 +36,7 @@ def test_a_timed_run_names_the_steps_that_compiled_during_it():
     before = step_states(engine)
     assert compiled_since(engine, before) == []
     engine.runner.graph_runner.steps["verify bucket 2"] = "compiling"
-    engine.worker.drafter.runner.graph_runner.steps["draft bucket 2"] = "ready"
+    engine.worker.speculation.drafter.runner.graph_runner.steps["draft bucket 2"] = "ready"
     engine.runner.graph_runner.steps["decode bucket 4"] = "failed"  # first seen during the run
     assert compiled_since(engine, before) == [
         "decode bucket 4 (failed)",
