@@ -13,8 +13,7 @@ reads the same index tensors. Two layouts:
   up to `TILE_ROWS` rows of one request.
 
 Both carry, per compressed ratio, the entry count each row's indexer top-k runs over as
-transformers does (`runtime.kernels.indexer_topk`). Details: docs/captured_decode.md,
-section 2 and "Module notes".
+transformers does (`runtime.kernels.indexer_topk`). Details: docs/captured_decode.md.
 """
 
 from __future__ import annotations

@@ -13,8 +13,7 @@ index tensors. Two layouts, as for DeepSeek-V4 (`deepseek_v4_metadata`):
 
 In both, QSA's block selection is described per row in its own request's block numbering
 (`[rows, B]`), so selections are remembered and recalled the same way
-(`Qwen4ExpKVPool.remember_selection`). Write-then-read order and key layout:
-docs/captured_decode.md, section 6 and "Module notes".
+(`Qwen4ExpKVPool.remember_selection`). Details: docs/captured_decode.md, "Module notes".
 """
 
 from __future__ import annotations

@@ -9,8 +9,7 @@ per-request state (`mamba_radix_cache.py`).
 * A node carries *snapshots* of per-request state at positions `C >= D`, keyed by the tokens
   at positions `D .. C` (inclusive), with the pages of `[D, C)` (`tail_pages`) no node owns.
   `match` returns the deepest snapshot on the request's path.
-* Eviction is LRU: unread leaves without snapshots first, then the least recently used
-  snapshot, then any leaf that leaves useless.
+* Eviction is LRU: unread leaves without snapshots, then snapshots, then leaves made useless.
 
 The tree owns pages and snapshot slots and gives back whatever it drops; copying state in
 and out is the caller's job (`PrefixCache`). Why the key includes token `C`:

@@ -13,7 +13,7 @@ Two questions are asked of the generated text after every token:
 Both cost time in the length of the window (the longest stop string plus the new text),
 not in the number of strings, beyond a logarithm and the regex engine's per-position branch
 test (the count itself is capped in `engine/request_limits.py`). How the trie and the
-search work: the methods' docstrings and docs/serving_limits.md, "Module notes".
+search work: `_trie_pattern` and docs/serving_limits.md, "Module notes".
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """What every model entry class shares, target or MTP draft.
 
-An entry class is named after the HF architecture it serves and exported as `EntryClass`.
-It holds `self.model`, `self.lm_head` and a `LogitsProcessor`; this base owns the rest:
-construction `Cls(hf_config, mapping)`; one forward signature for targets and drafts,
+An entry class, named after the HF architecture it serves and exported as `EntryClass`,
+holds `self.model`, `self.lm_head` and a `LogitsProcessor`; this base owns the rest: built
+as `Cls(hf_config, mapping)`, one forward signature for targets and drafts alike,
 
       forward(ctx, input_ids [T], captured_hidden_states [T, D] | None, spec_step_idx)
           -> LogitsProcessorOutput   logits at `ctx.logits_row_indices`, captured hidden
@@ -12,9 +12,9 @@ construction `Cls(hf_config, mapping)`; one forward signature for targets and dr
 from the class's `cache_layout` for this rank's share; weight loading through the model
 file's name tables (`map_weight_name`) and the MoE checkpoint loader, where a parameter
 left unfilled is an error naming it; a target LM head tied to its embedding
-(`tie_word_embeddings`, as transformers saves tied models); and for MTP drafts the
-embedding and LM head shared with the target. A model file then holds its blocks, its
-name tables and a few class attributes.
+(`tie_word_embeddings`, as transformers saves tied models); for MTP drafts the embedding
+and LM head shared with the target. A model file holds its blocks, name tables and a few
+class attributes.
 """
 
 from __future__ import annotations

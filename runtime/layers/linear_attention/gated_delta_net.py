@@ -13,8 +13,7 @@ Conv inputs live in a position-keyed ring, the recurrent state in one row per re
 TARGET_VERIFY pass leaves the state alone and records the state after every verify row;
 `commit_verified` keeps the one matching the accepted length. Under tensor parallelism the
 key and value heads split over `tp` (vLLM's `qwen3_next.py`) and `out_proj` reduces.
-Addressing comes from `runtime.cache.qwen4_exp_metadata`; what each rank holds and how rows
-are laid out: docs/architecture.md, "Module notes".
+Addressing: `runtime.cache.qwen4_exp_metadata`; details: docs/architecture.md, "Module notes".
 """
 
 from __future__ import annotations
