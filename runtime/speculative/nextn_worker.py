@@ -13,7 +13,7 @@ keyed by position and rejected positions are rewritten before anything reads the
 recurrent state keeps the state after the last accepted row (`commit_verified`). Mixed
 steps run the verify rounds first, then the prefill chunks; a greedy round nothing adjusts
 runs as one captured graph (`CapturedRound`); large batches may decode plainly
-(`speculation_policy`, `speculation_pause`). Details: docs/architecture.md, section 3.
+(`speculation_policy`, `speculation_pause`). Details: docs/architecture.md, 3 and 7.
 """
 
 from __future__ import annotations
