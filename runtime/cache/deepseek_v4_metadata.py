@@ -5,23 +5,15 @@ The runner calls `DeepseekV4KVPool.prepare(ctx)` once per forward (SGLang's atte
 backends split `init_forward_metadata` from the forward the same way); every layer then
 reads the same index tensors. Two layouts:
 
-* `DeepseekV4UniformMetadata`: every request runs the same number `q` of rows, at most the
-  rings' speculative slack (decode `q = 1`, target verify and the draft over verified rows
-  `q = steps + 1`). Rows are `[bs, q]`, request after request. Each layer writes its new
-  rows into the rings first and then reads everything from the rings (the slack guarantees
-  the writes never overwrite a row still read), so every tensor has a shape fixed by
-  `(bs, q)` and the per-ratio entry count `C`, nothing depends on data, and a captured step
-  (torch.compile, CUDA graph) replays it. Compressors pool a candidate entry at every row
-  and write the ones that close no block to the scratch page's `trash_row`. `C` (compressed
-  entries a request may see) grows with the context: the graph runner pads it to a bucket
-  and marks it dynamic.
-* `DeepseekV4RaggedMetadata`: prefill chunks of any length (eager). Keys come from the
-  virtual buffer `[ring | this forward's rows]` (`runtime.cache.ring_access`), queries in
-  tiles of up to `TILE_ROWS` consecutive rows of one request sharing one gathered window.
+* `DeepseekV4UniformMetadata`: every request runs the same `q` rows, at most the rings'
+  speculative slack; every tensor's shape is fixed by `(bs, q)` and the per-ratio entry
+  count `C` (padded and marked dynamic by the graph runner), so a captured step replays it.
+* `DeepseekV4RaggedMetadata`: prefill chunks of any length (eager), keys from the virtual
+  buffer `[ring | this forward's rows]` (`runtime.cache.ring_access`), queries in tiles of
+  up to `TILE_ROWS` rows of one request.
 
 Both carry, per compressed ratio, the entry count each row's indexer top-k runs over as
-transformers does (`runtime.kernels.indexer_topk`): a prefill row's is its request's entries
-at the end of the forward, a decoded or verified row's those complete at its own position.
+transformers does (`runtime.kernels.indexer_topk`). Details: docs/captured_decode.md.
 """
 
 from __future__ import annotations

@@ -1,27 +1,19 @@
 # SPDX-License-Identifier: Apache-2.0
 """DeepSeek-V4 cache buffers, one set per attention layer.
 
-Kinds of storage (the compressors of transformers' `modeling_deepseek_v4.py` keep the same
-state in `DeepseekV4CSACache` / `DeepseekV4HCACache`):
+Storage kinds (transformers' `modeling_deepseek_v4.py` keeps the same state in
+`DeepseekV4CSACache` / `DeepseekV4HCACache`): a sliding-window KV ring of `swa_ring` rows
+per request slot, longer than the window by the most tokens one verify or draft pass writes;
+compressor state rows `[kv | gate + ape]` (fp32) in a ring of `state_ring(ratio)` rows per
+request slot; compressed KV and indexer keys, full history, one row per block of `ratio`
+positions, addressed from the token slot of the block's first position (`compressed_loc`),
+so it shares the token pages and is freed with them.
 
-* sliding-window KV: a ring of `swa_ring` rows per request slot, row = position % ring.
-  The ring is longer than the window by the most tokens one request writes in a verify
-  or draft pass, so writing rejected speculative positions never overwrites a position a
-  later query still needs.
-* compressor state: per-token `[kv | gate + ape]` rows (fp32) in a ring of
-  `state_ring(ratio)` rows per request slot, keyed by absolute position. A compressed entry
-  is pooled from the state rows of its block (and the previous block for ratio 4).
-* compressed KV (and the indexer's compressed keys): full history, one row per block of
-  `ratio` positions. The row is derived from the token slot of the block's first position
-  (`compressed_loc`), so it shares the token pages: no second page table, freed together.
-
-Rows are keyed by position everywhere, so rolling back speculative tokens needs no copy:
-the rejected positions are simply rewritten later.
-
+Rows are keyed by position everywhere, so rolling back speculative tokens needs no copy.
 Every buffer also holds the padding request's ring rows and the scratch page's rows
-(`PoolGeometry.req_slots`, `cache_pages`): rows that pad a captured batch, positions past a
-request's reservation, and the entries a captured step computes at positions that close no
-block (`trash_row`) are written there; no row that is ever emitted reads them.
+(`PoolGeometry.req_slots`, `cache_pages`): padding rows, positions past a reservation and
+entries that close no block (`trash_row`) are written there, and no emitted row reads them.
+Layouts: docs/architecture.md, section 4.
 """
 
 from __future__ import annotations

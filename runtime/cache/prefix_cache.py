@@ -3,31 +3,16 @@
 it when it finishes or is retracted and after prefill chunks, make room under pressure.
 
 `PrefixCache` shares nothing (SGLang's `ChunkCache`, what `--disable-radix-cache` gives);
-`RadixPrefixCache` shares prefixes through a `RadixCache`:
+`RadixPrefixCache` shares prefixes through a `RadixCache` and per-request state through
+snapshots (SGLang's in-batch prefix caching included). Invariants callers rely on:
+a match covers at most `seq_len - 1` positions (the last prompt row always runs, as in
+SGLang); a resumed request computes exactly what it would have computed itself (target and
+MTP draft state, and the draft rows it still owes, come back with the snapshot); a page the
+tree shares is never written again (the tree's unit is the least common multiple of the
+page size and every pool's `share_alignment`).
 
-* admission: the deepest snapshot on the request's tokens is matched (at most
-  `seq_len - 1` positions: the token after the prompt is sampled from the last prompt row,
-  so that row always runs, as in SGLang). The request borrows the path's pages, gets a copy
-  of the snapshot's tail pages in its own pages, and its per-request state (target and MTP
-  draft pools alike) is copied back from the snapshot slot; it then prefills from there.
-* caching: the request's pages up to the last whole unit go into the tree (pages the tree
-  already holds replace the request's duplicates, which are freed), and its state at
-  `num_cached` becomes a snapshot. A finishing or retracted request hands its tail pages to
-  the snapshot; a request still running (after a prefill chunk) gets them copied. Target
-  rows its MTP draft has not run over yet (`OwedDraftRows`: a finishing request's own, or
-  the worker's copy after a prefill chunk) go with the snapshot, and back to a request that
-  resumes from it.
-* where snapshots are taken: when a request finishes or is retracted, after prefill chunks
-  ending at multiples of `snapshot_interval`, and where a waiting request shares a prefix
-  with one still prefilling it (the waiting one holds back until the running one has
-  cached the shared part: SGLang's in-batch prefix caching, which is also how the `n`
-  choices of one prompt share its prefill). The chunk planner ends prefill chunks there.
-
-The unit of the tree is the least common multiple of the page size and every pool's
-`share_alignment` (DeepSeek-V4: its compress ratios), so a page the tree shares never has a
-compressed entry written into it later. Where an MTP draft keeps rows in the shared pages,
-each written with the token after it, the tree keys a position by its token and the next
-(`next_token_keys`), so what a request reads is what it would have computed itself.
+How admission, caching, snapshot points and the unit work is docs/prefix_cache.md (sections
+2 to 4, and "Module notes").
 """
 
 from __future__ import annotations

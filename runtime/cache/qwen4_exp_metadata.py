@@ -5,23 +5,15 @@ The runner calls `Qwen4ExpKVPool.prepare(ctx)` once per forward (as SGLang's att
 backends split `init_forward_metadata` from the forward); every layer then reads the same
 index tensors. Two layouts, as for DeepSeek-V4 (`deepseek_v4_metadata`):
 
-* `Qwen4ExpUniformMetadata`: every request runs the same number `q` of rows, at most the
-  rings' speculative slack (decode `q = 1`, target verify and the draft over verified rows
-  `q = steps + 1`, chained draft steps `q = 1`). Rows are `[bs, q]`, request after request.
-  Every layer writes its new rows first (K, V and raw QSA index keys at their token slots,
-  conv inputs and tokens into the position-keyed rings) and then reads everything from the
-  caches, so every tensor has a shape fixed by `(bs, q)` and the block count `B`; nothing
-  depends on data and a captured step (torch.compile, CUDA graph) replays it. Keys are laid
-  out by position, `[bs, B, ratio]` (block `b` holds positions `b * ratio ..`), so QSA's
-  block pooling is a reshape. `B` grows with the context: the graph runner pads it and
-  marks it dynamic (`dynamic_dims`).
-* `Qwen4ExpRaggedMetadata`: prefill chunks of any length (eager). Keys of every request
-  are concatenated; rings are read from the virtual buffer `[ring | this forward's rows]`
-  (`runtime.cache.ring_access`).
+* `Qwen4ExpUniformMetadata`: every request runs the same `q` rows, at most the rings'
+  speculative slack; every tensor's shape is fixed by `(bs, q)` and the block count `B`
+  (padded and marked dynamic by the graph runner), so a captured step replays it.
+* `Qwen4ExpRaggedMetadata`: prefill chunks of any length (eager); rings are read from the
+  virtual buffer `[ring | this forward's rows]` (`runtime.cache.ring_access`).
 
-QSA's block selection is described per row in the row's own request's block numbering
-(`[rows, B]`, block `j` = positions `j * ratio .. (j + 1) * ratio - 1`) in both layouts, so
-selections are remembered and recalled the same way (`Qwen4ExpKVPool.remember_selection`).
+In both, QSA's block selection is described per row in its own request's block numbering
+(`[rows, B]`), so selections are remembered and recalled the same way
+(`Qwen4ExpKVPool.remember_selection`). Details: docs/captured_decode.md, "Module notes".
 """
 
 from __future__ import annotations

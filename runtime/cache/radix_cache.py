@@ -3,21 +3,17 @@
 SGLang's `RadixCache` (`mem_cache/radix_cache.py`) and its hybrid variant for models with
 per-request state (`mamba_radix_cache.py`).
 
-* Edges hold whole *units* of `unit` tokens (a multiple of the page size, see
-  `PrefixCache`): a node at depth `D` owns the pages of its edge, and the path from the root
-  owns the pages of positions `[0, D)`. Running requests read those pages by reference;
-  `lock` / `unlock` count them, and a locked node is never evicted.
-* Pages alone do not resume a request: rings and recurrent state live per request. A node
-  therefore carries *snapshots*: the saved per-request state at a position `C >= D`, keyed by
-  the tokens at positions `D .. C` (inclusive: the MTP draft's row at `C - 1` was computed
-  with token `C`), with the pages of positions `[D, C)` (`tail_pages`) that no node owns.
-  `match` returns the deepest snapshot on the request's path; positions past it are
-  prefilled again.
-* Eviction is LRU: leaves no request reads and that hold no snapshot go first, then the
-  least recently used snapshot, after which a leaf it leaves useless goes too.
+* Edges hold whole *units* of `unit` tokens; the path from the root to a node at depth `D`
+  owns the pages of positions `[0, D)`. Running requests read them by reference; `lock` /
+  `unlock` count them, and a locked node is never evicted.
+* A node carries *snapshots* of per-request state at positions `C >= D`, keyed by the tokens
+  at positions `D .. C` (inclusive), with the pages of `[D, C)` (`tail_pages`) no node owns.
+  `match` returns the deepest snapshot on the request's path.
+* Eviction is LRU: unread leaves without snapshots, then snapshots, then leaves made useless.
 
-The tree owns pages and snapshot slots: whatever it drops goes back to the allocator and
-the snapshot store. Copying state in and out is the caller's job (`PrefixCache`).
+The tree owns pages and snapshot slots and gives back whatever it drops; copying state in
+and out is the caller's job (`PrefixCache`). Why the key includes token `C`:
+docs/prefix_cache.md, section 2.
 """
 
 from __future__ import annotations

@@ -2,24 +2,17 @@
 """Which token slots each request holds: request slots + paged token allocator together.
 
 `reserve(req, n)` makes positions `[0, n)` addressable (whole pages), `slots(req, a, b)`
-returns their slots, `release(req)` gives everything back. A position keeps its slot for
-the request's lifetime, so a speculative token that is rejected and later rewritten at
-the same position reuses the same slot: nothing leaks, nothing moves.
+returns their slots, `release(req)` gives everything back. Invariants:
 
-Every position past a request's reservation points into the scratch page: the page after
-the allocator's last one, which the cache pools hold but no request ever owns. A
-speculative pass writes a few positions past what a request can still commit (near its
-last token); those rows score tokens that are never emitted, so they need no slot of
-their own and cost the pool nothing.
-
-The padding request (`ReqToTokenPool.pad_req`), whose copies pad a captured step up to its
-batch size, is a request that never reserves anything: all its positions point into the
-scratch page, so its rows read and write only there and in its own per-request rows.
-
-With a prefix cache a request's leading pages may be *borrowed*: pages the cache owns and
-several requests read (`open_request(prefix_pages)`, `share_prefix`). A request never
-writes a borrowed page (it only writes positions past its cached prefix), and `release`
-frees only the pages the request owns.
+* a position keeps its slot for the request's lifetime, so a rejected speculative token
+  rewritten at the same position reuses the same slot;
+* every position past a reservation points into the scratch page (the page after the
+  allocator's last, held by the pools, owned by no request), so speculative rows past what
+  a request can commit, and the padding request (`ReqToTokenPool.pad_req`, which reserves
+  nothing), read and write only there;
+* with a prefix cache a request's leading pages may be *borrowed* (`open_request
+  (prefix_pages)`, `share_prefix`): a request never writes a borrowed page, and `release`
+  frees only the pages the request owns.
 """
 
 from __future__ import annotations

@@ -1,27 +1,19 @@
 # SPDX-License-Identifier: Apache-2.0
 """Copies of a request's non-shareable cache state, kept for the prefix cache.
 
-Full-history rows (KV per token slot, compressed entries per page) are shared by reference
-through the pages a prefix owns. What a pool keeps *per request* instead (position-keyed
-rings, recurrent state) cannot be shared that way: a request slot is reused by the next
-request. The prefix cache copies it into one of `num_slots` preallocated snapshot slots at
-a chosen position and copies it back into a new request's slot when that request resumes
-from there, as SGLang's hybrid linear-attention radix cache (`mamba_radix_cache.py`) keeps
-Mamba states at tree nodes.
+Full-history rows are shared by reference through the pages a prefix owns; what a pool keeps
+*per request* (position-keyed rings, recurrent state) cannot be, since a request slot is
+reused. The prefix cache copies it into one of `num_slots` preallocated snapshot slots and
+back into a new request's slot when that request resumes, as SGLang's hybrid radix cache
+(`mamba_radix_cache.py`) keeps Mamba states at tree nodes.
 
-* `RequestStateSnapshots` is the pools' side (a mixin): a pool says which of its rows are a
-  request's (`request_state`) and holds the snapshot slots of its own buffers, so on every
-  rank of a tensor-parallel replica each pool copies its own shard.
-* `StateSnapshots` is the prefix cache's side: which snapshot slots are free, and the copies
-  as `PoolCommand`s applied through every runner (`apply`, which rank 0 of a replica sends
-  to the other ranks, like every cache change outside a forward). It also keeps, per slot, the
-  target rows an MTP draft still owes that state (`OwedDraftRows`, rank 0's: the worker
-  that skipped the draft lives there) in one buffer of `capacity` rows a slot, allocated
-  at the first snapshot that owes any: a copy of its own per snapshot (512 KiB for the
-  default model, megabytes for a full-size one) would be memory outside every budget,
-  and freeing such copies by the hundred at each eviction or `/flush_cache` scatters
-  holes through the host heap that the next prefill's activations fault in afresh (a
-  server's memory grew batch after batch and its prefill slowed).
+* `RequestStateSnapshots` (a pool mixin): a pool names a request's rows (`request_state`)
+  and holds the snapshot slots of its own buffers, so each tensor-parallel rank copies its
+  own shard.
+* `StateSnapshots` (the prefix cache's side): free snapshot slots, the copies as
+  `PoolCommand`s applied through every runner (`apply`), and per slot the target rows an
+  MTP draft still owes (`OwedDraftRows`, rank 0's) in one preallocated buffer rather than
+  copies of their own. Why one buffer: docs/prefix_cache.md, "Module notes".
 """
 
 from __future__ import annotations

@@ -4,21 +4,16 @@
 Two questions are asked of the generated text after every token:
 
 * `find(text, start)`: the earliest occurrence of any stop string starting at or after
-  `start`, and at that position the shortest one (the order `min((text.find(s, start), s))`
-  over the strings gives). One regular expression does it: the escaped strings as an
-  alternation, shortest first, so the leftmost match is the earliest position and, there,
-  the first alternative that matches is the shortest string. The alternation is written
-  as a trie (`ab(?:|c|d)` for "ab", "abc", "abd": an empty branch first where a string
-  ends), so at each position the regex engine follows one path instead of trying every
-  string.
+  `start`, and at that position the shortest one (what `min((text.find(s, start), s))`
+  over the strings gives), by one regular expression written as a trie.
 * `held(text)`: how many trailing characters could still begin a stop string (a streamed
   snapshot holds them back): the longest suffix of `text` that is a proper prefix of some
-  stop string. The strings are kept sorted, so "is `w` a proper prefix of one of them" is
-  one binary search; only suffixes shorter than the longest string are tried.
+  stop string, by binary search over the sorted strings.
 
 Both cost time in the length of the window (the longest stop string plus the new text),
-not in the number of strings, beyond a logarithm and the regex engine's per-position
-branch test (the count itself is capped in `engine/request_limits.py`).
+not in the number of strings, beyond a logarithm and the regex engine's per-position branch
+test (the count itself is capped in `engine/request_limits.py`). How the trie and the
+search work: `_trie_pattern` and docs/serving_limits.md, "Module notes".
 """
 
 from __future__ import annotations

@@ -53,7 +53,7 @@ def keep_freed_memory() -> bool:
         return False  # not glibc
     mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
     # the mmap threshold first: a trim threshold alone would fix the mmap threshold at its
-    # 128 KiB start, which made prefill twice as slow
+    # 128 KiB start, which slowed prefill (docs/benchmark_history.md)
     threshold = next((t for t in MMAP_THRESHOLDS if mallopt(M_MMAP_THRESHOLD, t)), None)
     applied = threshold is not None and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
     if applied:

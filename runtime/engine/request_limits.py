@@ -2,22 +2,16 @@
 """What a request may ask for, checked before it reaches the scheduler.
 
 Every value a client sends is checked here or in `SamplingParams.normalize`, so nothing
-that passes can fail inside an engine step: token ids inside the vocabulary wherever they
-appear, text that is valid Unicode (no lone surrogates: JSON can carry them, UTF-8 cannot),
-at most `max_n` choices, and a prompt the context length and the KV pool can hold (SGLang's
-`max_req_input_len` rule in `scheduler.py`, without auto-truncation).
+that passes can fail inside an engine step: token ids inside the vocabulary, valid Unicode
+text (no lone surrogates), at most `max_n` choices, and a prompt the context length and the
+KV pool can hold (SGLang's `max_req_input_len` rule, without auto-truncation).
 
-What one request may cost the server is bounded too (docs/serving_limits.md): at most
-`max_top_logprobs` alternatives per token (vLLM's `max_logprobs`), at most
-`max_logprob_entries` logprob entries in one response, counted from what the request
-asks for before it runs (`logprob_entries`), and at most `MAX_STOP_STRINGS` stop strings
-of at most `MAX_STOP_STRING_CHARS` characters and `MAX_STOP_TOKEN_IDS` stop token ids
-(a handful is what SGLang and vLLM clients send; each string is matched on every token).
-
-Prompt text is measured before it is tokenized: no token of the vocabulary is longer than
-`longest_token_chars`, so a text longer than `context_length * longest_token_chars`
-characters cannot fit the context (unless the tokenizer's normalizer deletes characters,
-which no tokenizer this runtime ships does), and tokenizing it would only burn memory.
+What one request may cost the server is bounded too: `max_top_logprobs` alternatives per
+token (vLLM's `max_logprobs`), `max_logprob_entries` logprob entries in one response
+(counted before it runs, `logprob_entries`), and at most `MAX_STOP_STRINGS` stop strings
+of `MAX_STOP_STRING_CHARS` characters and `MAX_STOP_TOKEN_IDS` stop token ids. Prompt text
+longer than `context_length * longest_token_chars` characters is refused before it is
+tokenized. The limits and why each is set so: docs/serving_limits.md.
 """
 
 from __future__ import annotations

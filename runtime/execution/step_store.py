@@ -1,31 +1,19 @@
 # SPDX-License-Identifier: Apache-2.0
 """Captured steps kept on disk whole, so that a second start loads them instead of tracing.
 
-Inductor's FX graph and AOT autograd caches spare a second start the compile of a step, not
-dynamo's trace of it, which was more than half of a cached load. torch's AOT precompile
-(`torch.compile(fn, fullgraph=True).aot_compile(...)` with `save_compiled_function` and
-`torch.compiler.load_compiled_function`, experimental in torch 2.13) saves the traced and
-compiled step as one artifact, which loads in seconds, and its calls skip dynamo's frame
+Inductor's caches spare a second start the compile of a step, not dynamo's trace of it.
+torch's AOT precompile (`torch.compile(fn, fullgraph=True).aot_compile(...)` with
+`save_compiled_function` / `torch.compiler.load_compiled_function`, experimental in torch
+2.13) saves the traced and compiled step as one artifact, whose calls skip dynamo's frame
 evaluation.
 
-What an artifact holds and what it does not:
-- the step's bytecode, its compiled graph and inductor's kernels (a few MB);
-- no weights and no caches: those are read at each call from the live objects the step's
-  closure names (the model runners, pools, tensors), which are handed over as *external
-  data* when saving and loading (`external_objects`), never pickled;
-- no guards. The graph runner already skips dynamo's guard evaluation on captured calls
-  (each step is one graph called only with inputs of its bucket's shapes); what the guards
-  would have checked at load time, the file name checks instead: `fingerprint` hashes
-  everything the trace could have baked in (torch and Python versions, the CPU's vector ISA,
-  dynamo's and inductor's settings, the runtime's source files and the module constants of
-  its model code, whether the C++ CPU kernels are loaded (and may use AMX tiles, or oneDNN
-  for fp32 products of many rows), the compile options, the model's structure and
-  configuration, the pools' layout, the shapes of the step's arguments). Anything it
-  covers that differs loads nothing and compiles afresh; a loaded step is also checked
-  against the eager step on the padding batch before it is used (`outputs_match`).
-
-The store keeps itself under `STORE_MAX_BYTES` (`StepStore.prune`, at start-up): an upgrade
-changes every fingerprint, so the previous version's artifacts would otherwise stay forever.
+Invariants: an artifact holds the step's bytecode, graph and kernels, never weights or
+caches (those are the live objects of the step's closure, handed over as external data,
+`external_objects`) and no guards; instead the file name is a `fingerprint` of everything
+the trace could have baked in, so anything that differs loads nothing and compiles afresh,
+and a loaded step must match the eager step on the padding batch (`outputs_match`) before
+use. The store keeps itself under `STORE_MAX_BYTES` (`StepStore.prune`, at start-up).
+What the fingerprint covers: docs/captured_decode.md, "Module notes".
 """
 
 from __future__ import annotations

@@ -1,43 +1,19 @@
 # SPDX-License-Identifier: Apache-2.0
 """The project's C++ CPU kernels (`csrc/*.cpp`, one extension), built on first use.
 
-Operators under the `nextn_cpu` namespace, each with a fake implementation so a
-compiled step holds it as one opaque node, which inductor's C++ wrapper calls through the
+Every operator lives under the `nextn_cpu` namespace with a fake implementation, so a
+compiled step holds it as one opaque node that inductor's C++ wrapper calls through the
 dispatcher without Python (SGLang's CPU kernels, `sgl-kernel/csrc/cpu`, are registered as
-torch ops the same way):
+torch ops the same way). Each operator's Python module (`runtime.kernels.<name>`) owns its
+contract and its torch reference; the list of operators and their sources is in
+docs/architecture.md, "Module notes".
 
-* `narrow_product`: products of a few fp32 rows with bf16 weights
-  (`runtime.kernels.narrow_product`);
-* `dense_product`, `dense_grouped_product`: fp32 products of many rows through oneDNN's
-  GEMM, the second one per group of sorted rows (`runtime.kernels.dense_product`);
-* `indexer_topk`: the indexer's top-k with transformers' ties
-  (`runtime.kernels.indexer_topk`), the same ATen calls as its Python body;
-* `hc_pre`, `hc_post` and `sinkhorn`: mHC's collapse of the streams (mixing weights,
-  Sinkhorn, weighted sum), stream expansion and Sinkhorn normalisation, the first two in
-  captured steps too (`runtime.kernels.hc_pre`, `runtime.kernels.stream_expand`,
-  `runtime.kernels.sinkhorn`);
-* `fp8_block_linear`, `quantized_grouped_product` (`csrc/quant_cpu.cpp`): products with
-  FP8-block / MXFP4 weights kept quantized (`runtime.kernels.quantized_product`);
-* `rotary` (`csrc/rotary.cpp`): rotary position embedding of a slice of each head in one
-  pass, eager and in captured steps (`runtime.kernels.rotary`);
-* `compressor_pool` (`csrc/compressor_pool.cpp`): DeepSeek-V4's compressor pooling of a
-  block's state rows into one entry, eager and in captured steps
-  (`runtime.kernels.compressor_pool`);
-* `compressor_entries` (`csrc/compressor_entries.cpp`): the pooling, RMSNorm, rotary table
-  and rotation of the compressor's entries in one call (`runtime.kernels.compressor_entries`);
-* `compressor_rows` (`csrc/compressor_rows.cpp`): DeepSeek-V4's compressor state rows
-  `[kv | gate + ape]` in one pass, eager and in captured steps
-  (`runtime.kernels.compressor_rows`);
-* `moe_route` (`csrc/moe_route.cpp`): the MoE router's expert selection, its torch body as
-  ATen calls, eager and in captured steps (`runtime.kernels.moe_route`).
-
-`load` builds the extension with `torch.utils.cpp_extension` (about 20 s once per machine,
-then loaded from its build directory) and registers the fakes; the graph runner calls it
-in its compile worker before a CPU step's first trace, and a CPU model runner that
-captures nothing (`--disable-cuda-graph`) when it is built, so eager steps use the kernels
-as well. Where it cannot be built (no
-compiler, no ninja) every caller keeps its other path (`available()` is False);
-`NEXTN_DISABLE_CPU_KERNELS=1` leaves it unbuilt.
+`load` builds the extension with `torch.utils.cpp_extension` once per machine (then loads it
+from its build directory) and registers the fakes; the graph runner calls it in its compile
+worker before a CPU step's first trace, and a CPU model runner that captures nothing
+(`--disable-cuda-graph`) when it is built. Where it cannot be built (no compiler, no ninja)
+every caller keeps its other path (`available()` is False); `NEXTN_DISABLE_CPU_KERNELS=1`
+leaves it unbuilt.
 """
 
 from __future__ import annotations

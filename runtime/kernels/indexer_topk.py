@@ -2,25 +2,17 @@
 """Top-k of the DeepSeek-V4 lightning indexer and of Qwen4Exp's QSA block selection, with
 exact ties broken as transformers does.
 
-`scores [N, C]` (entries a row may not see already `-inf`), `visible [N]` how many leading
-entries each row sees, `lengths [N]` how many entries the reference's `topk` runs over for
-that row. transformers' `DeepseekV4Indexer` calls `index_scores.topk(min(k, T))` on the `T`
-compressed entries of its cache: `T = (p + 1) // ratio` for a decoded token, `T = S // ratio`
-for every row of an `S`-token prefill (later entries masked to `-inf`); its
-`Qwen4ExpTextQSAIndexer` runs `topk` over the `(p + 1) // ratio` blocks a row sees, in
-prefill and decode alike (`lengths = visible`). Relu zeroes whole scores, so exact ties are
-common, and which of several tied entries `topk` keeps depends on the length of the tensor
-it runs over; a row's choice here depends only on its own `lengths` entry, never on the
-batch around it or on padding (speculative verify, batched unlike plain decode, relies on
-that).
-
-Where no tie straddles the k-th place every tie rule keeps the same set, and one fixed-size
-`topk` over the padded row decides. Rows with such a tie go through `topk` over exactly
-their first `lengths` entries, grouped by length. Returns `(indices [N, k], valid [N, k])`,
-indices ascending (the order the reference's block mask visits them in), an index valid
-iff it is below `visible`; `C < k` is padded. It is a custom op with a fake implementation,
-so a compiled step sees one opaque node of fixed output shape. Inside CUDA graph capture the
-grouped fix-up (it needs the host) is skipped: CUDA's `topk` breaks ties its own way anyway.
+`scores [N, C]` (entries a row may not see already `-inf`), `visible [N]` entries each row
+sees, `lengths [N]` how many entries the reference's `topk` runs over for that row (as in
+transformers' `DeepseekV4Indexer` and `Qwen4ExpTextQSAIndexer`). Returns
+`(indices [N, k], valid [N, k])`, indices ascending, an index valid iff it is below
+`visible`; `C < k` is padded. A row's choice depends only on its own `lengths` entry, never
+on the batch around it or on padding: speculative verify, batched unlike plain decode,
+relies on that. It is a custom op with a fake implementation (one opaque node of fixed
+output shape); inside CUDA graph capture the host-side tie fix-up is skipped (CUDA's
+`topk` breaks ties its own way anyway).
+How `lengths` follows the reference and how ties are resolved: docs/architecture.md,
+"Module notes".
 """
 
 from __future__ import annotations

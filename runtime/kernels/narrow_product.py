@@ -6,22 +6,14 @@
 or `weight[0]` for every group (`E == 1`). Returns `[G, M, N]` fp32, the bf16 weights
 widened exactly, so only the order of the sums differs from `x @ weight.float().T`.
 
-Why a kernel of its own. A captured decode or verify step of a batch of one multiplies one
-to eight rows by each weight (a verify of four draft positions: four rows; a routed expert:
-the rows of the pairs routed to it). A GEMM library reads the fp32 weight, or a widened
-copy the compiler writes first, and does little work per byte; the compiler's own reduction
-widens as it loads but repeats the load and the widening for every row. This kernel
-(`csrc/nextn_cpu.cpp`) loads each block of weight rows once, widens it in registers and
-multiplies it into the accumulators of every row that reads it, all groups with the same
-index together, so a routed expert chosen by several rows is read once too (SGLang's CPU
-kernels, `sgl-kernel/csrc/cpu`, are written the same way: AVX-512 intrinsics, weights
-converted in registers, registered as torch ops). Registered as the C++ operator
-`nextn_cpu::narrow_product` with a fake implementation, it is one opaque node of a compiled
-step, which inductor's C++ wrapper calls through the dispatcher without Python.
-
-The operator lives in the project's C++ extension (`runtime.kernels.cpu_extension`,
-which builds it on first use); where it cannot be built the products keep their other
-paths. The reference defines correctness.
+Why: a captured decode or verify step of a small batch multiplies one to eight rows by each
+weight, where a GEMM library or the compiler's reduction reads (or widens) the weight once
+per row. The kernel (`nextn_cpu::narrow_product`, `csrc/nextn_cpu.cpp`) loads each block of
+weight rows once, widens it in registers and feeds every row that reads it, so a routed
+expert chosen by several rows is read once too (written like SGLang's CPU kernels,
+`sgl-kernel/csrc/cpu`). It lives in the project's extension
+(`runtime.kernels.cpu_extension`); where that cannot be built the products keep their
+other paths. The reference defines correctness.
 """
 
 from __future__ import annotations

@@ -1,36 +1,19 @@
 # SPDX-License-Identifier: Apache-2.0
 """Products with weights held in a checkpoint's quantized format (FP8 block, MXFP4).
 
-Formats (DeepSeek-V3/V4 releases; OCP Microscaling spec for MXFP4):
-
-* FP8 block: `codes [N, K]` float8_e4m3fn, `scale_inv [ceil(N/b0), ceil(K/b1)]` float32, a
-  multiplier despite its name: `W[n, k] = codes[n, k] * scale_inv[n // b0, k // b1]`. Layers
-  hold `b0 = 1` (one scale row per weight row; see docs/quantization.md) but the operators
-  take any `block = [b0, b1]`.
-* MXFP4: `codes [..., N, K/2]` uint8, two E2M1 codes per byte (low nibble = element 2k), and
-  `scale [..., N, K/32]` uint8 E8M0 bytes (`2^(e - 127)`, 255 = NaN):
-  `W[n, k] = e2m1(code[n, k]) * scale[n, k // 32]`.
-
-Each product is one `torch.library.custom_op` with a fake implementation, so a captured step
-holds it as one opaque node whose output shape follows its input's:
-
-* `nextn::fp8_block_linear(x [..., K], codes [N, K], scale_inv, block) -> [..., N]`, or
-  batched: `x [G, M, K]`, `codes [G, N, K]`, `scale_inv [G, ., .]` -> `[G, M, N]` (grouped
-  projections such as DeepSeek-V4's `wo_a`);
-* `nextn::quantized_grouped_product(x [A, K], codes [G, N, *], scale [G, N, *], group_ends
-  [G], fmt, block_k) -> [A, N]`: rows sorted by group, group g times expert g's weight
-  (`runtime.kernels.grouped_gemm`'s contract), `fmt` "fp8" or "mxfp4".
+Formats are those of the DeepSeek-V3/V4 releases and the OCP Microscaling spec (MXFP4);
+their layouts are in docs/quantization.md, "Operator notes". Each product is one
+`torch.library.custom_op` with a fake implementation, so a captured step holds it as one
+opaque node whose output shape follows its input's: `nextn::fp8_block_linear` (optionally
+batched over groups, e.g. DeepSeek-V4's `wo_a`) and `nextn::quantized_grouped_product`
+(rows sorted by group, `runtime.kernels.grouped_gemm`'s contract, `fmt` "fp8" or "mxfp4").
 
 The references dequantize the whole weight to `x.dtype` (in float32 first, exactly as the
-checkpoint loader's dequantize-on-load does) and multiply: they define correctness and are
-the ops' bodies where no kernel serves (on CUDA `fp8_block_linear` runs the Triton kernel of
-`runtime.kernels.quantized_triton` where triton is installed). Layers call `fp8_linear` and
-`grouped_quantized`, which on CPU go to the C++ kernels instead (`csrc/quant_cpu.cpp`,
-operators `nextn_cpu::fp8_block_linear` / `quantized_grouped_product` with fakes of their
-own, decoding the weight tile by tile inside the product; the grouped one decodes only the
-groups that have rows) once the project's extension is loaded
-(`runtime.kernels.cpu_extension`): one opaque node either way, and no Python call inside
-a compiled step.
+loader's dequantize-on-load does) and multiply: they define correctness and are the ops'
+bodies where no kernel serves. Layers call `fp8_linear` and `grouped_quantized`, which go
+to the C++ kernels on CPU once the extension is loaded (`csrc/quant_cpu.cpp`, decoding the
+weight tile by tile inside the product) and to `runtime.kernels.quantized_triton` on CUDA
+where triton is installed: one opaque node either way, no Python inside a compiled step.
 """
 
 from __future__ import annotations

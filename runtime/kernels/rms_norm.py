@@ -5,8 +5,9 @@
 
 The torch form (`runtime.layers.norm`) makes four passes over `x` (square, mean, scale,
 weight), each writing a temporary; at prefill sizes a norm costs what its passes cost, and
-the norms of a DeepSeek-V4 layer (queries per head, the query latent, keys, both sub-block
-inputs, the compressors' entries) were 7% of a 1,883-token prefill step. The C++ kernel
+a DeepSeek-V4 layer has many norms (queries per head, the query latent, keys, both
+sub-block inputs, the compressors' entries; their share of a prefill step is in
+docs/benchmark_history.md). The C++ kernel
 (`nextn_cpu::rms_norm` in `csrc/nextn_cpu.cpp`) reads each row once and writes it once,
 the products in the torch form's order; only the order of the sum of squares differs.
 Captured CPU steps call it too (issue 54: one node instead of the torch form's chain, about

@@ -5,23 +5,13 @@
 passes, every denominator padded by eps (transformers' `DeepseekV4HyperConnection`).
 
 The matrices are tiny (4 x 4) and the loop has ~80 elementwise steps, so the cost is
-per-op dispatch. On CPU with few rows, numpy's per-op overhead is about half of torch's;
-the numpy path runs the same operations in the same order (bit-identical results). With
-many rows (prefill) the torch path lays the matrices out along the last dimension
-(`[n, n, rows]`), so every row and column sum is a few contiguous vector adds over all
-matrices at once instead of a reduction over a strided 4-element axis: several times
-faster at thousands of rows, and bit-identical (the same additions in the same order).
-A captured step (host code cannot be captured) runs the torch reference, which the
-compiler fuses, except for a single stream (`hc_mult = 1`): there every sum is over one
-element, the compiler turns each into an element-wise step and inlines the 40 passes of
-`c / (c + eps)` into one expression that doubles with every pass (its compile never
-ends), and the result is a constant anyway (the softmax of one logit is 1).
-
-Eagerly on CPU with the project's C++ kernels loaded, `nextn_cpu::sinkhorn`
-(`csrc/nextn_cpu.cpp`) runs the same steps on blocks of 16 matrices laid out matrix-last in
-a small buffer: one call instead of ~80 operators. Its sums and divisions are the
-reference's, in the same order; its softmax's exponential is the C library's, so it agrees
-with the reference to within an ulp or so of each entry, not bit for bit.
+per-op dispatch; the paths differ only in how they dispatch. Few rows on CPU run through
+numpy, many rows through torch with the matrices laid out matrix-last, and a captured step
+through the torch reference (a single stream, `hc_mult = 1`, returns the constant result);
+all of these are bit-identical to the reference. Eagerly with the project's C++ kernels
+loaded, `nextn_cpu::sinkhorn` runs the same steps in one call; its exponential is the C
+library's, so it agrees with the reference to within an ulp or so, not bit for bit.
+Why each path exists: docs/architecture.md, "Module notes".
 """
 
 from __future__ import annotations

@@ -2,27 +2,18 @@
 """fp32 rows times a bf16 weight on a CPU's AMX tiles, as exact as an fp32 product.
 
 `x [M, K]` fp32 times `weight [N, K]` whose values bf16 holds exactly (a bf16 checkpoint
-served in fp32; `narrow_weights` keeps such a weight's bf16 copy) -> `[M, N]` fp32.
+served in fp32; `narrow_weights` keeps its bf16 copy) -> `[M, N]` fp32, differing from an
+fp32 product only in the order of its sums. Each row is split by truncation into three bf16
+parts, `x = hi + mid + lo` exactly, and every part multiplied by the weight; a bf16 x bf16
+product is exact in fp32 and the tiles sum in fp32 (the split NVIDIA's 3xTF32 uses to get
+fp32 accuracy from TF32 tensor cores). Why: prefill GEMMs are compute-bound and AMX
+multiplies bf16 much faster than AVX-512 multiplies fp32, but rounding rows to bf16 would
+change the model's numbers.
 
-Why. A prefill chunk's products are fp32 GEMMs of thousands of rows, compute-bound on a
-CPU core. CPUs with AMX multiply bf16 tiles several times faster than AVX-512 multiplies
-fp32, but rounding the rows to bf16 would change the model's numbers. So each row is split, by
-truncation, into three bf16 parts, `x = hi + mid + lo` exactly (8 significant bits each of
-fp32's 24), and every part is multiplied by the bf16 weight: a product of two bf16 values
-is exact in fp32 and the tiles sum in fp32, so the result differs from an fp32 product
-only in the order of its sums (the split NVIDIA's 3xTF32 uses to get fp32 accuracy from
-TF32 tensor cores). Measured against a float64 product its error is below the fp32
-product's.
-
-The kernel (`nextn_cpu::tile_product` in `csrc/nextn_cpu.cpp`) splits 32 rows at a time
-into a per-thread buffer and multiplies them by the packed weight in 32 x 32 output
-blocks (four accumulator tiles, two row tiles, two weight tiles). `pack` lays the weight
-out once as the tile product reads its second operand: pairs of consecutive `K` values of
-each output column side by side, `[Kp / 2, Np, 2]`, `K` and `N` padded with zeros to
-multiples of 32 (the padding contributes exact zeros). The operator needs the project's
-C++ extension (`runtime.kernels.cpu_extension`), a CPU with AMX-BF16 and the Linux
-kernel's permission to use the tile registers, which the extension asks for once, when it
-loads (`cpu_extension.tiles_granted`). The reference defines correctness.
+`pack` lays the weight out once for the kernel (`nextn_cpu::tile_product`,
+`csrc/nextn_cpu.cpp`), which needs the project's extension (`runtime.kernels.cpu_extension`),
+AMX-BF16 and the kernel's permission for tile registers (`cpu_extension.tiles_granted`).
+The reference defines correctness. Layout details: docs/architecture.md, "Module notes".
 """
 
 from __future__ import annotations

@@ -1,27 +1,20 @@
 # SPDX-License-Identifier: Apache-2.0
 """What every model entry class shares, target or MTP draft.
 
-An entry class is named after the HF architecture it serves and exported from its module
-as `EntryClass`. It holds `self.model` (the architecture's blocks), `self.lm_head` and a
-`LogitsProcessor`; this base owns everything around the math:
-
-* construction: `Cls(hf_config, mapping)`;
-* one forward signature for targets and drafts alike,
+An entry class, named after the HF architecture it serves and exported as `EntryClass`,
+holds `self.model`, `self.lm_head` and a `LogitsProcessor`; this base owns the rest: built
+as `Cls(hf_config, mapping)`, one forward signature for targets and drafts alike,
 
       forward(ctx, input_ids [T], captured_hidden_states [T, D] | None, spec_step_idx)
           -> LogitsProcessorOutput   logits at `ctx.logits_row_indices`, captured hidden
 
-  (positions, cache slots and the batch layout come from the `ForwardContext`);
-* `create_cache_pool` from the class's `cache_layout` for this rank's share (`mapping`);
-* weight loading: every checkpoint name goes through the model file's name tables
-  (`map_weight_name`), per-expert tensors through the MoE checkpoint loader, and a
-  parameter left unfilled is an error naming it;
-* a target's LM head tied to its embedding (`tie_word_embeddings`: the checkpoint has no
-  `lm_head.weight`, as transformers saves tied models);
-* for MTP drafts, the embedding and LM head shared with the target (so a tied target's
-  draft scores with the embedding too).
-
-A model file then holds its blocks, its name tables and a few class attributes.
+(positions, slots and batch layout come from the `ForwardContext`); `create_cache_pool`
+from the class's `cache_layout` for this rank's share; weight loading through the model
+file's name tables (`map_weight_name`) and the MoE checkpoint loader, where a parameter
+left unfilled is an error naming it; a target LM head tied to its embedding
+(`tie_word_embeddings`, as transformers saves tied models); for MTP drafts the embedding
+and LM head shared with the target. A model file holds its blocks, name tables and a few
+class attributes.
 """
 
 from __future__ import annotations

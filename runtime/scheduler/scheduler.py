@@ -1,29 +1,19 @@
 # SPDX-License-Identifier: Apache-2.0
 """Continuous batching: admit, prefill in chunks, decode, retract, abort, finish.
 
-Each `step()` runs one worker step over the running requests:
-
-* admission moves waiting requests in (FCFS) while request slots, `max_running_requests`
-  and token pages allow; a request's whole prompt is reserved when it is admitted.
-* prefill requests contribute chunks, together at most `chunked_prefill_size` tokens a
-  step; the chunk that reaches the end of the prompt samples the first token.
-* decoding requests contribute their newest token (or one speculative round). A worker
-  that `supports_mixed` runs chunks and decode rows in the same step (the plain worker in
-  one forward, the NEXTN worker as a verify round and an extend); otherwise prefill
-  steps and decode steps alternate so neither starves.
-* when token pages run out for a decode, the prefix cache gives back what it holds first;
-  then the most recently admitted request is retracted: its pages are freed (its state goes
-  to the prefix cache) and it is re-queued to be recomputed from prompt + output so far.
-  A retracted request is rebuilt up to its newest token and decodes from there, as if it
-  had never been retracted (same verify rounds, same seeded draws).
-* the prefix cache (`runtime.cache.prefix_cache`) is consulted through a small interface:
-  match at admission, cache after prefill chunks that end at its snapshot points and when a
-  request finishes or is retracted, make room under pressure.
-* a worker step that raises fails only the requests it can be pinned on: its requests are
-  retracted and re-run in halves until the culprit fails alone (`fault_isolation`); an
-  error while admitting or committing one request aborts that request only.
-
+Each `step()` runs one worker step over the running requests. Admission is FCFS while
+request slots, `max_running_requests` and token pages allow, and reserves the whole prompt;
+prefill chunks share at most `chunked_prefill_size` tokens a step; decoding requests add
+their newest token or one speculative round (in the same step as chunks where the worker
+`supports_mixed`, else prefill and decode steps alternate so neither starves). When pages
+run out the prefix cache gives back first, then the most recently admitted request is
+retracted and later rebuilt to decode exactly as if never retracted (same rounds, same
+seeded draws). A worker step that raises fails only the requests it can be pinned on
+(`fault_isolation`); an error admitting or committing one request aborts that one only.
 Finish checks run per emitted token, in order, so nothing after a stop leaks out.
+
+The prefix cache (`runtime.cache.prefix_cache`) is used through a small interface; the
+full step walk-through is docs/architecture.md, section 2 and "Module notes".
 """
 
 from __future__ import annotations

@@ -1,24 +1,19 @@
 # SPDX-License-Identifier: Apache-2.0
 """A whole greedy NEXTN round in one captured graph: target verify, acceptance, the draft's
 pass over the verified rows and its chained steps (SGLang captures the target verify and
-the EAGLE draft steps as separate CUDA graphs; fusing them removes the host work between
-them, which on a CPU costs as much as a draft step).
+the EAGLE draft steps as separate CUDA graphs; fusing them removes the host work between).
 
     verify [t, d1..dS] -> greedy acceptance (m, bonus) -> following tokens
     -> draft extend over the S + 1 rows -> pick row m -> S - 1 chained draft steps
        (`execution/draft_chain.py`, the chain the eager drafter runs)
 
-What the host cannot know before the round, each request's accept count `m`, decides only
-values inside the graph: the draft scores row m of its extend (hidden states of every row
-are computed, logits only for the gathered row m), and the chained steps' positions
-`num_cached + m + i` are computed in the graph, where the draft's cache pool derives their
-metadata from them (`prepare_in_step`, torch ops only) with the entry counts of the
-extend's metadata, prepared on the host to reach those positions. Everything else is
-prepared before the graph runs, as for any captured step.
-
-The fused round serves batches the rule can decide inside the graph: every request greedy,
-no logit adjustment (penalties, `min_new_tokens`), no grammar, a single-rank engine. Other
-rounds run as separate steps (`NextNWorker._verify`), with the same tokens.
+Each request's accept count `m` decides only values inside the graph (which extend row the
+draft scores, the chained steps' positions and their metadata via `prepare_in_step`);
+everything else is prepared on the host before the graph runs. The fused round serves
+batches whose acceptance the graph can decide: every request greedy, no logit adjustment
+(penalties, `min_new_tokens`), no grammar, a single-rank engine. Other rounds run as
+separate steps (`NextNWorker._verify`) with the same tokens. Details:
+docs/architecture.md, "Module notes".
 """
 
 from __future__ import annotations

@@ -7,28 +7,13 @@
     decode round:  target verify [t, d1..dS] -> accept m drafts + one token -> commit
                    -> draft extend over the verified rows -> next drafts
 
-New drafts travel back in each request's `TokenOutput.draft_tokens`; the scheduler keeps
-them on the request for its next round, with the round's acceptance counters.
-
-Caches need no explicit rollback: every cache row is keyed by position, verify and draft
-only write positions at or after the committed length, and the next round rewrites the
-rejected positions before anything reads them (rings are sized for one extra pass).
-Recurrent state is the exception: `commit_verified` keeps the state after the last
-accepted row.
-
-A step may carry prefill chunks and verify rounds together (`supports_mixed`): the rounds run
-first (a uniform batch: the target's captured verify step and the draft's captured steps),
-then the chunks (an eager extend), so decoding never pauses while prompts prefill.
-
-A greedy round whose logits nothing adjusts runs as one captured graph, acceptance and the
-draft's steps included (`CapturedRound`); other rounds run the steps above one by one.
-
-Speculation off in large batches (`speculation_policy`: vLLM's
-`speculative_disable_by_batch_size`, or by default a choice measured per batch bucket): a
-verify round scores `S + 1` rows per request, which pays while a step is bound by its fixed
-costs and not once it is bound by compute. A decode step the policy runs plainly runs as
-plain decoding; the rows the draft skips meanwhile, its catch-up when the requests
-speculate again and the rows a finished request owes are `speculation_pause`'s.
+Output equals plain decoding. New drafts travel back in `TokenOutput.draft_tokens`; the
+scheduler keeps them on the request for its next round. Caches need no rollback: rows are
+keyed by position and rejected positions are rewritten before anything reads them;
+recurrent state keeps the state after the last accepted row (`commit_verified`). Mixed
+steps run the verify rounds first, then the prefill chunks; a greedy round nothing adjusts
+runs as one captured graph (`CapturedRound`); large batches may decode plainly
+(`speculation_policy`, `speculation_pause`). Details: docs/architecture.md, 3 and 7.
 """
 
 from __future__ import annotations

@@ -5,24 +5,15 @@
     q = rope(q_norm(q));  k = rope(k_norm(k_proj(x)))
     o = o_proj(attention(q, k, v) * sigmoid(gate))       GQA, causal, restricted by QSA
 
-QSA (transformers' `Qwen4ExpTextQSAIndexer` in `models/qwen4_exp/modeling_qwen4_exp.py`):
-the visible keys of a query at p are grouped into complete blocks of `ratio` positions; a
-block's key is `rope(k_layernorm(mean of its raw index keys), block start)`; blocks are
-scored `sum_h relu(q_h . k_b) / sqrt(d)` and the top `budget / ratio` are kept, together
-with the incomplete tail block. Until a query sees more than `budget + ratio - 1` keys the
-selection keeps everything (dense attention); that switch is a per-row mask, not a branch.
-
-Keys and values live at full-history token slots (`out_cache_loc`); raw index keys beside
-them. Both are keyed by position, so rejected speculative rows are rewritten, not undone.
-Every index comes from the metadata the runner prepared before the forward
-(`runtime.cache.qwen4_exp_metadata`): uniform batches (decode, verify, draft steps) take the
-fixed-shape path a captured step replays, each request's keys laid out by position; prefill
-chunks the ragged one. The MTP draft selects on its first step and reuses that selection on
-later chained steps.
-
-Under tensor parallelism the query heads (with their gates) and the KV heads split over
-`tp` (a KV head is replicated when there are fewer than ranks, as vLLM does), `o_proj`
-reduces, and the indexer (one key head) is replicated so every rank selects the same blocks.
+QSA follows transformers' `Qwen4ExpTextQSAIndexer` (`models/qwen4_exp/modeling_qwen4_exp.py`):
+blocks of `ratio` visible keys are scored and the top `budget / ratio` kept with the tail
+block; short contexts stay dense through a per-row mask, not a branch. Keys, values and raw
+index keys are keyed by position, so rejected speculative rows are rewritten, not undone.
+Indices come from `runtime.cache.qwen4_exp_metadata` (uniform batches take the fixed-shape
+captured path, prefill chunks the ragged one). Under tensor parallelism query and KV heads
+split over `tp` (KV heads replicated when fewer than ranks, as vLLM does) and the indexer
+is replicated so every rank selects the same blocks. Block scoring, the MTP draft's reuse
+of its selection: docs/architecture.md, "Module notes".
 """
 
 from __future__ import annotations

@@ -9,17 +9,11 @@
     o = gated_delta_rule(q, k, v, g, beta)     recurrent state per request, fp32
     y = out_proj(GatedRMSNorm(o, z))           act(z) with act = sigmoid (Qwen4Exp) or silu
 
-The conv inputs live in a position-keyed ring; the recurrent state in one row per request.
-Under tensor parallelism the key and value heads split over `tp` (vLLM's
-`qwen3_next.py`): each rank holds its heads' share of q, k, v, z, b, a, the conv filter and
-the decay vectors, its heads' recurrent states, and `out_proj` reduces.
-A TARGET_VERIFY pass leaves the state alone and records the state after every verify row
-instead; `commit_verified` later keeps the one matching the accepted length.
-
-The addressing comes prepared with the forward (`runtime.cache.qwen4_exp_metadata`): uniform
-rows (decode, verify) are `[bs, q]` as they stand, their conv inputs written into the ring
-before every tap is read from it, so a captured step has fixed shapes; prefill chunks pad
-each request's rows to the longest.
+Conv inputs live in a position-keyed ring, the recurrent state in one row per request. A
+TARGET_VERIFY pass leaves the state alone and records the state after every verify row;
+`commit_verified` keeps the one matching the accepted length. Under tensor parallelism the
+key and value heads split over `tp` (vLLM's `qwen3_next.py`) and `out_proj` reduces.
+Addressing: `runtime.cache.qwen4_exp_metadata`; details: docs/architecture.md, "Module notes".
 """
 
 from __future__ import annotations

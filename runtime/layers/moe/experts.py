@@ -2,29 +2,18 @@
 """Routed experts in fused layout, computed grouped by expert (no per-token loop).
 
 `w13_weight [E_local, 2I, H]` holds each expert's gate (rows `:I`) and up (rows `I:`)
-projections; `w2_weight [E_local, H, I]` its down projection. Experts are split over the
+projections; `w2_weight [E_local, H, I]` its down projection. Experts split over the
 expert-parallel group `ep` in contiguous blocks and each expert's intermediate width over
-`tp` (so `I` above is this rank's share); each rank computes its piece of every routed
-pair and the partial outputs are summed over `combine` (every rank holding a piece, SGLang's
-MoE all-reduce over the TP group).
+`tp` (`I` is this rank's share); each rank computes its piece of every routed pair and the
+pieces are summed over `combine` (SGLang's MoE all-reduce over the TP group).
 
-Two formulations of this rank's piece, summed the same way.
-* Sorted: (token, expert) pairs sorted by expert through one grouped GEMM per projection
-  (`nextn::grouped_gemm`, one opaque operator whose output shape is fixed by its input's;
-  the group sizes are data). Every expert's weights are read once. Eager forwards use it
-  at every size; a captured step from `SORTED_MIN_PAIRS` pairs on.
-* Gathered (captured steps with fewer pairs): each pair multiplies by its expert's weights
-  gathered per pair, a batched GEMM of fixed shape `[T * k]` (no sort, no counts). On CPU
-  the compiler fuses the gather into the product: fewer operators, so faster while there
-  are few pairs, but each pair reads its expert's weights again.
-* Narrow (captured steps on CPU up to `KERNEL_MAX_PAIRS` pairs, where the narrow-weight
-  kernel is loaded and the weights have bf16 copies; up to `KERNEL_MAX_PAIRS_BESIDE_TILES`
-  where they are also packed for AMX tiles, which the sorted form then multiplies on): the
-  gathered formulation's shapes, but the kernel (`runtime.kernels.narrow_product`) groups
-  the pairs by expert itself, so each chosen expert's bf16 copy is read once for all its
-  pairs.
-Eagerly, pairs routed to another rank's experts are dropped; in a captured step they weigh
-zero (the shapes stay fixed).
+Three formulations of a rank's piece give the same sums: sorted (one grouped GEMM per
+projection, `nextn::grouped_gemm`; eager at every size, captured from `SORTED_MIN_PAIRS`
+pairs), gathered (captured steps with fewer pairs: a batched GEMM of fixed shape `[T * k]`)
+and narrow (captured CPU steps up to `KERNEL_MAX_PAIRS` / `KERNEL_MAX_PAIRS_BESIDE_TILES`
+pairs, `runtime.kernels.narrow_product`). Eagerly, pairs routed to another rank's experts
+are dropped; in a captured step they weigh zero (shapes stay fixed). Why each form wins
+where it is used: docs/architecture.md, "Module notes".
 """
 
 from __future__ import annotations
